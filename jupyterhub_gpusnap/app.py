@@ -1,0 +1,357 @@
+"""The jupyterhub-gpusnap service: a traitlets Application running one tick every `interval` seconds.
+
+Run it as a JupyterHub service (managed: the Hub starts it with ``command``; or external:
+set JUPYTERHUB_API_TOKEN, JUPYTERHUB_API_URL and JUPYTERHUB_SERVICE_URL yourself).
+``jupyterhub-gpusnap --generate-config`` writes every setting with its help text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from urllib.parse import urlparse
+
+from tornado import web
+from tornado.httpserver import HTTPServer
+from traitlets import Bool, Dict, Float, List, Type, Unicode, default, validate
+from traitlets.config import Application
+
+from . import __version__
+from .checkpoint.base import CheckpointBackend
+from .hub import HubClient
+from .policy import Policy, Rule
+from .signals.base import SignalSource
+from .store import Store
+from .watcher import Watcher
+
+#: The Hub scopes the service needs, and why. docs/install.md shows them as a load_roles entry.
+REQUIRED_SCOPES = {
+    "list:users": "list users with running servers (GET /users?state=ready)",
+    "read:users": "read user names, groups and activity of servers",
+    "read:users:activity": "read last_activity",
+    "read:servers": "read each server's url, start time and readiness",
+    "admin:server_state": "read the spawner state (the server's pid on local spawners)",
+    "access:servers": "poll /api/kernels through the proxy (with no_track_activity=1)",
+    "delete:servers": "stop a server after its checkpoint is verified",
+}
+
+CUSTOM_SCOPES = {
+    "custom:gpusnap:read": {
+        "description": "See every server's gpusnap state, signals and snapshots.",
+    },
+    "custom:gpusnap:admin": {
+        "description": "Suspend, keep running or exempt any server through gpusnap.",
+        "subscopes": ["custom:gpusnap:read"],
+    },
+}
+
+
+class GpuSnap(Application):
+    """Finds truly idle notebook servers and suspends them to disk instead of killing them."""
+
+    name = "jupyterhub-gpusnap"
+    version = __version__
+    description = __doc__
+
+    aliases = {
+        "config": "GpuSnap.config_file",
+        "interval": "GpuSnap.interval",
+        "idle-window": "GpuSnap.idle_window",
+        "db-url": "GpuSnap.db_url",
+        "log-level": "Application.log_level",
+    }
+    flags = {
+        "generate-config": ({"GpuSnap": {"generate_config": True}}, "Print a config file with every setting and exit."),
+        "debug": ({"Application": {"log_level": 10}}, "Log debug messages."),
+    }
+
+    config_file = Unicode(
+        "gpusnap_config.py", help="The config file to load (Python, traitlets style: c.GpuSnap.interval = 60)."
+    ).tag(config=True)
+    generate_config = Bool(False, help="Print a config file with every setting and its help, then exit.").tag(config=True)
+
+    interval = Float(
+        60, help="Seconds between two ticks. Each tick lists running servers, reads their signals and applies the policy."
+    ).tag(config=True)
+
+    db_url = Unicode(
+        "sqlite:///gpusnap.sqlite",
+        help="SQLAlchemy URL of the service's database (server states, events, sent emails). "
+        "SQLite by default; e.g. postgresql://gpusnap@db/gpusnap for a hub with a database server.",
+    ).tag(config=True)
+
+    proxy_url = Unicode(
+        help="The URL the service reaches single-user servers at, through the proxy, "
+        "e.g. http://127.0.0.1:8000 or http://proxy-public. Default: JUPYTERHUB_PUBLIC_URL or "
+        "derived from the Hub API URL's host on port 8000.",
+    ).tag(config=True)
+
+    @default("proxy_url")
+    def _proxy_url(self):
+        if os.environ.get("JUPYTERHUB_PUBLIC_HUB_URL"):
+            u = urlparse(os.environ["JUPYTERHUB_PUBLIC_HUB_URL"])
+            return f"{u.scheme}://{u.netloc}"
+        api = urlparse(os.environ.get("JUPYTERHUB_API_URL", "http://127.0.0.1:8081/hub/api"))
+        return f"{api.scheme}://{api.hostname}:8000"
+
+    public_url = Unicode(
+        help="The public URL of the hub as users see it (for links in emails), e.g. https://hub.example.org. "
+        "Default: proxy_url.",
+    ).tag(config=True)
+
+    @default("public_url")
+    def _public_url(self):
+        return self.proxy_url
+
+    bind_url = Unicode(
+        help="Where the service's web app listens. Default: JUPYTERHUB_SERVICE_URL (set by the Hub), else http://127.0.0.1:10101.",
+    ).tag(config=True)
+
+    @default("bind_url")
+    def _bind_url(self):
+        return os.environ.get("JUPYTERHUB_SERVICE_URL", "http://127.0.0.1:10101")
+
+    service_prefix = Unicode(
+        help="URL prefix of the service's pages and API. Default: JUPYTERHUB_SERVICE_PREFIX, else /services/gpusnap/.",
+    ).tag(config=True)
+
+    @default("service_prefix")
+    def _service_prefix(self):
+        return os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/gpusnap/")
+
+    # ---------------------------------------------------------------- the policy
+    idle_window = Float(
+        3600,
+        help="Seconds a server must be idle by every signal (kernels, terminals, CPU, GPU) before it is suspended. "
+        "This is the default rule's value; `rules` can set other values per user, group or profile.",
+    ).tag(config=True)
+    park_window = Float(
+        None,
+        allow_none=True,
+        help="Seconds of idleness after which a server's GPU memory is moved to host RAM while it keeps running "
+        "(park). Must be shorter than idle_window. None (default) disables parking.",
+    ).tag(config=True)
+    warn_before = Float(
+        900, help="Seconds before the suspension when the user is warned (email, Lab panel). 0 disables the warning."
+    ).tag(config=True)
+    min_running = Float(
+        600, help="Never act on a server that has been running for less than this many seconds."
+    ).tag(config=True)
+    cpu_threshold = Float(
+        10.0,
+        help="CPU use (percent of one core, whole process tree) above which the server counts as working, "
+        "even when its GPU is idle.",
+    ).tag(config=True)
+    gpu_threshold = Float(
+        5.0, help="GPU SM utilisation (percent) above which the server counts as working. Memory held does not count."
+    ).tag(config=True)
+    max_keep_running = Float(
+        8 * 3600,
+        help="The longest a user may keep their server running past the idle policy (keep-running-until), in seconds.",
+    ).tag(config=True)
+    action = Unicode(
+        "suspend",
+        help="What happens to a server that stays idle: 'suspend' (checkpoint, then stop), "
+        "'stop' (stop without a checkpoint, like jupyterhub-idle-culler) or 'none' (watch and report only).",
+    ).tag(config=True)
+
+    @validate("action")
+    def _check_action(self, proposal):
+        if proposal.value not in ("suspend", "stop", "none"):
+            raise ValueError(
+                f"GpuSnap.action must be 'suspend', 'stop' or 'none', got {proposal.value!r}"
+            )
+        return proposal.value
+
+    rules = List(
+        Dict(),
+        help="""Rules matched in order by user, group or profile; the first match wins, the default rule
+        (built from the settings above) applies to everyone else. Each rule is a dict, e.g.
+
+            c.GpuSnap.rules = [
+                {"name": "staff", "groups": ["staff"], "exempt": True},
+                {"name": "students-gpu", "profiles": ["gpu"], "idle_window": 1800, "park_window": 300},
+                {"name": "cpu-only", "profiles": ["cpu"], "action": "stop", "idle_window": 7200},
+            ]
+
+        Keys: name, users (globs), groups, profiles, exempt, action, idle_window, park_window,
+        warn_before, min_running, cpu_threshold, gpu_threshold, max_keep_running.""",
+    ).tag(config=True)
+
+    # -------------------------------------------------------------- the parts
+    backend_class = Type(
+        None,
+        klass=CheckpointBackend,
+        allow_none=True,
+        help="How servers are checkpointed: jupyterhub_gpusnap.checkpoint.local.LocalBackend (CRIU on this host, "
+        "the default) or jupyterhub_gpusnap.checkpoint.kubernetes.KubernetesBackend (kubelet + node agent).",
+    ).tag(config=True)
+
+    signal_classes = List(
+        Type(klass=SignalSource),
+        help="Signal sources read for every server each tick. Default: Jupyter (kernels, terminals through "
+        "the proxy), local CPU (psutil over the process tree) and GPU (NVML). On Kubernetes use the agent or "
+        "Prometheus sources instead of the local ones.",
+    ).tag(config=True)
+
+    @default("signal_classes")
+    def _signal_classes(self):
+        from .signals.jupyter import JupyterSignal
+        from .signals.local import LocalProcessSignal
+        from .signals.nvml import NvmlSignal
+
+        return [JupyterSignal, LocalProcessSignal, NvmlSignal]
+
+    email = Bool(
+        False, help="Send emails (warning, suspended, restore failed). Configure c.Mailer and c.Notifier."
+    ).tag(config=True)
+
+    tick_on_start = Bool(True, help="Run the first tick right after start-up rather than after one interval.").tag(
+        config=True
+    )
+
+    metrics_require_auth = Bool(
+        True,
+        help="Require a token with custom:gpusnap:read for /metrics. Turn off only where the service port "
+        "is reachable by Prometheus alone (a network policy).",
+    ).tag(config=True)
+
+    # ---------------------------------------------------------------- wiring
+    def default_rule(self) -> Rule:
+        return Rule.from_dict(
+            {
+                "name": "default",
+                "action": self.action,
+                "idle_window": self.idle_window,
+                "park_window": self.park_window,
+                "warn_before": min(self.warn_before, max(self.idle_window - 1, 0)),
+                "min_running": self.min_running,
+                "cpu_threshold": self.cpu_threshold,
+                "gpu_threshold": self.gpu_threshold,
+                "max_keep_running": self.max_keep_running,
+            }
+        )
+
+    def build_policy(self) -> Policy:
+        rules = [Rule.from_dict(r) for r in self.rules]
+        return Policy(rules=rules, default=self.default_rule())
+
+    def initialize(self, argv=None):
+        super().initialize(argv)
+        if self.generate_config:
+            print(self.generate_config_file())
+            self.exit(0)
+        if self.config_file and os.path.exists(self.config_file):
+            self.load_config_file(self.config_file)
+        try:
+            self.policy = self.build_policy()
+        except ValueError as e:
+            self.log.critical("Invalid configuration: %s", e)
+            self.exit(1)
+        self.hub = HubClient(
+            parent=self,
+            api_url=os.environ.get("JUPYTERHUB_API_URL", "http://127.0.0.1:8081/hub/api"),
+            api_token=os.environ.get("JUPYTERHUB_API_TOKEN", ""),
+        )
+        if not self.hub.api_token:
+            self.log.critical("No Hub API token: run me as a JupyterHub service (JUPYTERHUB_API_TOKEN is unset)")
+            self.exit(1)
+        self.store = Store(self.db_url)
+        self.sources = [cls(parent=self) for cls in self.signal_classes]
+        for source in self.sources:
+            # sources that talk to servers default to the service's own URL and token
+            configured = self.config.get(type(source).__name__, {})
+            if source.has_trait("proxy_url") and "proxy_url" not in configured:
+                source.proxy_url = self.proxy_url
+            if source.has_trait("api_token") and "api_token" not in configured:
+                source.api_token = self.hub.api_token
+        self.backend = None
+        if self.action == "suspend" or any(r.get("action", self.action) == "suspend" and not r.get("exempt") for r in self.rules):
+            backend_class = self.backend_class
+            if backend_class is None:
+                from .checkpoint.local import LocalBackend as backend_class
+            self.backend = backend_class(parent=self)
+        self.notifier = None
+        if self.email:
+            from .notify import ServiceNotifier
+
+            self.notifier = ServiceNotifier(parent=self, sent_log=self.store, app=self)
+        self.watcher = Watcher(
+            parent=self,
+            hub=self.hub,
+            store=self.store,
+            policy=self.policy,
+            sources=self.sources,
+            backend=self.backend,
+            notifier=self.notifier,
+        )
+
+    def make_web_app(self) -> web.Application:
+        from .handlers import make_handlers
+
+        prefix = self.service_prefix if self.service_prefix.endswith("/") else self.service_prefix + "/"
+        return web.Application(
+            make_handlers(prefix),
+            gpusnap=self,
+            cookie_secret=os.urandom(32),
+            static_path=os.path.join(os.path.dirname(__file__), "static"),
+            static_url_prefix=prefix + "static/",
+            template_path=os.path.join(os.path.dirname(__file__), "templates", "pages"),
+            xsrf_cookies=False,
+        )
+
+    async def tick(self) -> None:
+        try:
+            await self.watcher.tick()
+        except Exception:
+            self.log.exception("Tick failed")
+
+    async def run(self) -> None:
+        for source in self.sources:
+            await source.setup()
+        if self.backend is not None:
+            await self.backend.setup()
+        app = self.make_web_app()
+        url = urlparse(self.bind_url)
+        server = HTTPServer(app, xheaders=True)
+        server.listen(url.port or 80, url.hostname or "127.0.0.1")
+        self.log.info("%s %s listening on %s, prefix %s, tick every %gs", self.name, __version__, self.bind_url,
+                      self.service_prefix, self.interval)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        if not self.tick_on_start:
+            await asyncio.wait([asyncio.ensure_future(stop.wait())], timeout=self.interval)
+        while not stop.is_set():
+            await self.tick()
+            try:
+                await asyncio.wait_for(stop.wait(), self.interval)
+            except asyncio.TimeoutError:
+                pass
+        self.log.info("Shutting down; waiting for suspensions under way")
+        await self.watcher.wait_idle()
+        server.stop()
+        for source in self.sources:
+            await source.close()
+
+    def start(self):
+        asyncio.run(self.run())
+
+
+def main(argv=None):
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv and argv[0] == "doctor":
+        from .doctor import main as doctor_main
+
+        return doctor_main(argv[1:])
+    app = GpuSnap()
+    app.initialize(argv)
+    app.start()
+
+
+if __name__ == "__main__":
+    main()

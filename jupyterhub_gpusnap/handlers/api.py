@@ -1,0 +1,174 @@
+"""The REST API (docs/rest-api.yml is its OpenAPI description)."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+
+from tornado import web
+
+from .. import __version__
+from ..model import Server, State, server_key
+from .base import APIHandler, iso
+
+
+#: An admin's exemption is a keep-running with no end (the year 2100), which the policy already honours.
+EXEMPT_UNTIL = 4102444800.0
+
+
+def status_model(app, status, with_events: bool = True) -> dict:
+    """The JSON of one server's status: the one shape the API, pages and Lab panel share."""
+    watcher = app.watcher
+    decision = watcher.decisions.get(status.key)
+    server = watcher.servers.get(status.key)
+    rule = app.policy.rule_for(server) if server else app.policy.default
+    model = {
+        "server": status.key,
+        "user": status.user,
+        "name": status.name,
+        "state": str(status.state),
+        "state_since": iso(status.state_since),
+        "running": server is not None,
+        "url": server.url if server else None,
+        "rule": status.rule or rule.name,
+        "reason": status.reason,
+        "last_active": iso(status.last_active),
+        "idle_seconds": round(decision.idle_seconds, 1) if decision and decision.idle_seconds is not None else None,
+        "warn_at": iso(decision.suspend_at - rule.warn_before) if decision and decision.suspend_at and rule.warn_before else None,
+        "suspend_at": iso(decision.suspend_at) if decision else None,
+        "park_at": iso(decision.park_at) if decision else None,
+        "keep_until": iso(status.keep_until),
+        "exempt": status.keep_until == EXEMPT_UNTIL or str(status.state) == "exempt",
+        "max_keep_running": rule.max_keep_running,
+        "idle_window": rule.idle_window,
+        "restored_at": iso(status.restored_at),
+        "checkpoint_id": status.checkpoint_id,
+        "failure": status.failure,
+        "signals": status.last_sample or {},
+    }
+    if with_events:
+        model["events"] = [
+            {**e, "time": iso(e["time"])} for e in app.store.events(status.key, limit=20)
+        ]
+    return model
+
+
+def parse_until(body: dict, now: float) -> float:
+    """keep-running body: {"seconds": N} or {"until": ISO 8601 or epoch seconds}."""
+    if "seconds" in body:
+        seconds = body["seconds"]
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+            raise web.HTTPError(400, "'seconds' must be a positive number of seconds, e.g. {\"seconds\": 3600}")
+        return now + float(seconds)
+    if "until" in body:
+        until = body["until"]
+        if isinstance(until, (int, float)) and not isinstance(until, bool):
+            return float(until)
+        if isinstance(until, str):
+            try:
+                return datetime.fromisoformat(until.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                pass
+        raise web.HTTPError(400, "'until' must be an ISO 8601 time such as 2026-11-22T18:00:00Z")
+    raise web.HTTPError(400, "Send {\"seconds\": N} or {\"until\": \"<ISO 8601 time>\"}")
+
+
+class InfoHandler(APIHandler):
+    async def get(self):
+        model = self.require_user()
+        app = self.gpusnap
+        self.write_json(
+            {
+                "version": __version__,
+                "user": model["name"],
+                "admin": self.is_admin(model),
+                "interval": app.interval,
+                "states": [s.value for s in State],
+            }
+        )
+
+
+class ServersHandler(APIHandler):
+    async def get(self):
+        model = self.require_user()
+        app = self.gpusnap
+        if self.can_read_all(model):
+            statuses = app.store.all()
+        else:
+            statuses = [s for s in app.store.all() if s.user == model["name"]]
+        state = self.get_argument("state", None)
+        if state:
+            if state not in State.__members__:
+                raise web.HTTPError(400, f"Unknown state {state!r}; one of {', '.join(State.__members__)}")
+            statuses = [s for s in statuses if str(s.state) == state]
+        self.write_json({"servers": [status_model(app, s, with_events=False) for s in statuses]})
+
+
+class ServerMixin:
+    def find(self, user: str, name: str | None, write: bool = False):
+        model = self.require_user()
+        name = name or ""
+        allowed = self.owns(model, user) or (self.is_admin(model) if write else self.can_read_all(model))
+        if not allowed:
+            # the same answer whether or not the server exists: no probing of other users
+            raise web.HTTPError(404, f"No server {server_key(user, name)} that you may see")
+        status = self.gpusnap.store.get(server_key(user, name))
+        if status is None:
+            raise web.HTTPError(404, f"No server {server_key(user, name)} is running or suspended")
+        return model, status
+
+
+class ServerHandler(ServerMixin, APIHandler):
+    async def get(self, user, name=None):
+        _, status = self.find(user, name)
+        self.write_json(status_model(self.gpusnap, status))
+
+
+class ServerActionHandler(ServerMixin, APIHandler):
+    async def post(self, user, name=None, action=None):
+        app = self.gpusnap
+        body = self.json_body()
+        if action == "exempt":
+            model, status = self.find(user, name, write=True)
+            if not self.is_admin(model):
+                raise web.HTTPError(403, "Exempting a server needs the custom:gpusnap:admin scope")
+            exempt = body.get("exempt", True)
+            if not isinstance(exempt, bool):
+                raise web.HTTPError(400, "'exempt' must be true or false")
+            status.keep_until = EXEMPT_UNTIL if exempt else None
+            app.watcher._set_state(status, State.active, f"{'exempted' if exempt else 'exemption lifted'} by {model['name']}")
+            return self.write_json(status_model(app, status))
+        model, status = self.find(user, name, write=True)
+        if action == "keep":
+            until = parse_until(body, time.time())
+            try:
+                status = app.watcher.request_keep(status.key, until)
+            except ValueError as e:
+                raise web.HTTPError(400, str(e)) from None
+            return self.write_json(status_model(app, status))
+        if action == "suspend":
+            server: Server | None = app.watcher.servers.get(status.key)
+            if server is None or status.state in (State.suspended, State.suspending, State.restoring):
+                raise web.HTTPError(409, f"{status.key} is {status.state}, not running: nothing to suspend")
+            app.watcher.start_suspend(server, plain_stop=(app.action == "stop"),
+                                      reason=f"suspend requested by {model['name']}")
+            return self.write_json(status_model(app, status), status=202)
+        raise web.HTTPError(404)
+
+
+class EventsHandler(APIHandler):
+    async def get(self):
+        model = self.require_user()
+        app = self.gpusnap
+        key = self.get_argument("server", None)
+        try:
+            limit = min(int(self.get_argument("limit", "50")), 500)
+        except ValueError:
+            raise web.HTTPError(400, "'limit' must be an integer") from None
+        if key is None:
+            if not self.can_read_all(model):
+                raise web.HTTPError(403, "Listing every server's events needs custom:gpusnap:read; pass ?server=user/name")
+        elif not (self.can_read_all(model) or self.owns(model, key.partition("/")[0])):
+            raise web.HTTPError(404, f"No server {key} that you may see")
+        events = app.store.events(key, limit=limit)
+        self.write_json({"events": [{**e, "time": iso(e["time"])} for e in events]})

@@ -1,0 +1,69 @@
+"""Prometheus metrics of the service (served at /services/<name>/metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .model import State
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+SERVERS = Gauge(
+    "gpusnap_servers", "Servers known to the service, per state.", ["state"], registry=REGISTRY
+)
+SIGNAL = Gauge(
+    "gpusnap_signal",
+    "Latest value of each signal per server (cpu and gpu in percent, gpu_memory in bytes, kernels_busy).",
+    ["server", "signal"],
+    registry=REGISTRY,
+)
+IDLE_SECONDS = Gauge(
+    "gpusnap_idle_seconds", "Seconds each server has been idle by every signal.", ["server"], registry=REGISTRY
+)
+ACTIONS = Counter(
+    "gpusnap_actions",
+    "Actions taken on servers (warn, park, unpark, suspend, stop, restore), by result (ok, refused, failed).",
+    ["action", "result"],
+    registry=REGISTRY,
+)
+FAILURES = Counter(
+    "gpusnap_failures",
+    "Failures by kind (signal, suspend, restore, email, hub).",
+    ["kind"],
+    registry=REGISTRY,
+)
+LOOP_SECONDS = Histogram(
+    "gpusnap_loop_duration_seconds",
+    "Wall time of one service tick (listing servers, reading signals, applying the policy).",
+    registry=REGISTRY,
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)
+ACTION_SECONDS = Histogram(
+    "gpusnap_action_duration_seconds",
+    "Wall time of suspend, restore, park and unpark.",
+    ["action"],
+    registry=REGISTRY,
+    buckets=(0.1, 0.5, 1, 2, 5, 10, 20, 40, 80, 160, 320),
+)
+GPU_SECONDS_FREED = Counter(
+    "gpusnap_gpu_seconds_freed",
+    "GPU-seconds given back to the pool by suspensions (GPUs held x time suspended), counted at restore.",
+    registry=REGISTRY,
+)
+
+
+def set_state_counts(counts: dict[str, int]) -> None:
+    for state in State:
+        SERVERS.labels(state=state.value).set(counts.get(state.value, 0))
+
+
+def forget_server(key: str) -> None:
+    for signal in ("cpu", "gpu", "gpu_memory", "kernels_busy"):
+        try:
+            SIGNAL.remove(key, signal)
+        except KeyError:
+            pass
+    try:
+        IDLE_SECONDS.remove(key)
+    except KeyError:
+        pass

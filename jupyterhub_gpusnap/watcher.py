@@ -1,0 +1,362 @@
+"""One tick of the service: list servers, read their signals, apply the policy, act.
+
+The watcher owns *when*; checkpoint backends own *how*. A server is stopped only
+after its backend returned a verified checkpoint; every failure leaves it running,
+is logged, counted in metrics and recorded as an event the admin page shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import psutil
+from traitlets import Float, Integer
+from traitlets.config import LoggingConfigurable
+
+from . import metrics
+from .checkpoint.base import CheckpointBackend, CheckpointError, CheckpointRefused
+from .hub import HubClient, HubError
+from .model import Sample, Server, State
+from .policy import Decision, Policy, ServerStatus, step
+from .signals.base import SignalSource
+from .store import Store
+
+# States in which a server is not running and the watcher keeps its record.
+OFFLINE = {State.suspended, State.suspending, State.restoring}
+
+
+def tree_pids(pid: int | None) -> list[int]:
+    """The pids of a local server's process tree (root first); [] when it is gone."""
+    if not pid:
+        return []
+    try:
+        root = psutil.Process(pid)
+        return [root.pid] + [p.pid for p in root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+class Watcher(LoggingConfigurable):
+    """Applies the policy to every running server once per tick."""
+
+    suspend_concurrency = Integer(
+        2,
+        help="Suspensions (checkpoint + stop) running at the same time. Each one writes "
+        "the server's memory to disk; raise it on hosts with fast disks and many GPUs.",
+    ).tag(config=True)
+
+    suspend_timeout = Float(
+        1800,
+        help="Seconds one suspension may take before it is given up (the server keeps running).",
+    ).tag(config=True)
+
+    def __init__(
+        self,
+        hub: HubClient,
+        store: Store,
+        policy: Policy,
+        sources: list[SignalSource],
+        backend: CheckpointBackend | None,
+        notifier=None,
+        clock: Callable[[], float] = time.time,
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self.hub = hub
+        self.store = store
+        self.policy = policy
+        self.sources = sources
+        self.backend = backend
+        self.notifier = notifier
+        self.clock = clock
+        self.servers: dict[str, Server] = {}  # running servers seen by the last tick
+        self.samples: dict[str, Sample] = {}
+        self.decisions: dict[str, Decision] = {}
+        self._inflight: dict[str, asyncio.Task] = {}
+        self._semaphore = asyncio.Semaphore(self.suspend_concurrency)
+        self.ticks = 0
+
+    # ----------------------------------------------------------------- the tick
+    async def tick(self) -> None:
+        start = time.perf_counter()
+        try:
+            servers = await self.hub.list_servers()
+        except (HubError, OSError) as e:
+            metrics.FAILURES.labels(kind="hub").inc()
+            self.log.error("Listing servers failed, skipping this tick: %s", e)
+            return
+        now = self.clock()
+        running = {s.key: s for s in servers}
+        self.servers = running
+        for source in self.sources:
+            prefetch = getattr(source, "prefetch", None)
+            if prefetch:
+                try:
+                    await prefetch(servers)
+                except Exception as e:  # a broken prefetch just means per-server reads
+                    self.log.warning("signal %s prefetch failed: %s", source.name, e)
+        await asyncio.gather(*(self.watch_server(s, now) for s in servers))
+        await self._reconcile_gone(running, now)
+        metrics.set_state_counts(self.store.counts_by_state())
+        self.ticks += 1
+        metrics.LOOP_SECONDS.observe(time.perf_counter() - start)
+
+    async def read_signals(self, server: Server, now: float) -> Sample:
+        sample = Sample(time=now, hub_last_activity=server.last_activity.timestamp() if server.last_activity else None)
+        results = await asyncio.gather(*(src.sample(server, now) for src in self.sources))
+        for part in results:
+            sample.merge(part)
+        if sample.errors:
+            metrics.FAILURES.labels(kind="signal").inc(len(sample.errors))
+        return sample
+
+    def new_status(self, server: Server, now: float) -> ServerStatus:
+        started = server.started.timestamp() if server.started else now
+        return ServerStatus(
+            key=server.key,
+            user=server.user,
+            name=server.name,
+            state=State.active,
+            state_since=now,
+            last_active=started,
+            started=started,
+        )
+
+    async def watch_server(self, server: Server, now: float) -> None:
+        key = server.key
+        if key in self._inflight:
+            return  # a suspension of this server is under way
+        status = self.store.get(key)
+        if status is None:
+            status = self.new_status(server, now)
+        elif status.state == State.suspending:
+            # not in flight: a service restart interrupted it; the backend's recovery at start-up
+            # resumed the server (it is running), so it is simply active again
+            self.log.warning("%s: suspension was interrupted by a service restart; server is running", key)
+            self.store.record_event(key, "suspend_interrupted", {})
+            status.state, status.state_since, status.last_active = State.active, now, now
+        elif status.state in OFFLINE:
+            await self._returned(status, server, now)
+        sample = await self.read_signals(server, now)
+        self.samples[key] = sample
+        rule = self.policy.rule_for(server)
+        new, decision = step(status, sample, rule, now)
+        self.decisions[key] = decision
+        self._export(key, sample, decision)
+        if new.state != status.state:
+            self.log.info("%s: %s -> %s (%s)", key, status.state, new.state, decision.reason)
+            self.store.record_event(key, "state", {"from": str(status.state), "to": str(new.state), "reason": decision.reason})
+        self.store.put(new)
+        if decision.action:
+            await self.act(decision.action, server, new, decision)
+
+    def _export(self, key: str, sample: Sample, decision: Decision) -> None:
+        for signal, value in (
+            ("cpu", sample.cpu_percent),
+            ("gpu", sample.gpu_percent),
+            ("gpu_memory", sample.gpu_memory_bytes),
+            ("kernels_busy", sample.kernels_busy),
+        ):
+            if value is not None:
+                metrics.SIGNAL.labels(server=key, signal=signal).set(value)
+        metrics.IDLE_SECONDS.labels(server=key).set(decision.idle_seconds or 0)
+
+    async def _returned(self, status: ServerStatus, server: Server, now: float) -> None:
+        """A suspended server is running again: it was restored, or started fresh after a failed restore."""
+        info = None
+        if self.backend is not None and status.checkpoint_id:
+            try:
+                for c in await self.backend.list(status.user):
+                    if c.id == status.checkpoint_id:
+                        info = c
+            except Exception as e:
+                self.log.warning("%s: could not read checkpoint %s: %s", status.key, status.checkpoint_id, e)
+        restored = info is None or info.status != "failed"
+        kind = "restore" if restored else "restore_failed"
+        detail = {"checkpoint": status.checkpoint_id}
+        if info is not None:
+            detail.update(image_bytes=info.image_bytes, gpu_bytes=info.gpu_bytes, error=info.error,
+                          restore_s=info.extra.get("restore_s"))
+            if restored and info.gpu_count:
+                metrics.GPU_SECONDS_FREED.inc(max(0.0, now - status.state_since) * info.gpu_count)
+        event = self.store.record_event(status.key, kind, detail)
+        metrics.ACTIONS.labels(action="restore", result="ok" if restored else "failed").inc()
+        if not restored:
+            metrics.FAILURES.labels(kind="restore").inc()
+        self.log.info("%s: %s from checkpoint %s", status.key, "restored" if restored else "restore failed, fresh start", status.checkpoint_id)
+        status.state = State.active
+        status.state_since = now
+        status.restored_at = now
+        status.last_active = now
+        status.started = server.started.timestamp() if server.started else now
+        if not restored:
+            status.failure = info.error if info else "restore failed"
+        await self._notify("restored" if restored else "restore_failed", status, str(event), detail)
+
+    async def _reconcile_gone(self, running: dict[str, Server], now: float) -> None:
+        """Forget servers the user stopped; keep suspended ones (their checkpoint is their state)."""
+        for status in self.store.all():
+            if status.key in running or status.key in self._inflight:
+                continue
+            if status.state == State.suspending:
+                # the service died mid-suspension: the backend's recovery decided the outcome
+                latest = await self.backend.latest(status.user, status.name) if self.backend else None
+                if latest is not None and latest.created >= status.state_since - 1:
+                    status.state, status.checkpoint_id = State.suspended, latest.id
+                    self.store.put(status)
+                    continue
+            if status.state in OFFLINE:
+                continue
+            self.store.delete(status.key)
+            metrics.forget_server(status.key)
+            self.samples.pop(status.key, None)
+
+    # ------------------------------------------------------------------ actions
+    async def act(self, action: str, server: Server, status: ServerStatus, decision: Decision) -> None:
+        if action == "warn":
+            event = self.store.record_event(status.key, "warn", {"suspend_at": decision.suspend_at})
+            metrics.ACTIONS.labels(action="warn", result="ok").inc()
+            await self._notify("warning", status, str(event), {"suspend_at": decision.suspend_at,
+                                                               "idle_seconds": decision.idle_seconds})
+        elif action in ("suspend", "stop"):
+            self.start_suspend(server, plain_stop=(action == "stop"), reason=decision.reason)
+        elif action in ("park", "unpark"):
+            await self.park(server, status, unpark=(action == "unpark"))
+
+    def start_suspend(self, server: Server, plain_stop: bool = False, reason: str = "idle") -> asyncio.Task | None:
+        """Suspend a server in the background (bounded by suspend_concurrency)."""
+        if server.key in self._inflight:
+            return self._inflight[server.key]
+        task = asyncio.ensure_future(self._suspend(server, plain_stop, reason))
+        self._inflight[server.key] = task
+        task.add_done_callback(lambda _: self._inflight.pop(server.key, None))
+        return task
+
+    async def wait_idle(self) -> None:
+        """Wait for every suspension under way (tests, shutdown)."""
+        while self._inflight:
+            await asyncio.gather(*list(self._inflight.values()), return_exceptions=True)
+
+    async def _suspend(self, server: Server, plain_stop: bool, reason: str) -> None:
+        key = server.key
+        async with self._semaphore:
+            status = self.store.get(key) or self.new_status(server, self.clock())
+            if plain_stop or self.backend is None:
+                await self._plain_stop(server, status, reason)
+                return
+            self._set_state(status, State.suspending, reason)
+            t0 = time.perf_counter()
+            try:
+                await self.backend.check(server)
+                info = await asyncio.wait_for(self.backend.checkpoint(server), self.suspend_timeout)
+            except CheckpointRefused as e:
+                result = "refused"
+                if e.retry:  # a busy GPU: the server is working; try again on a later tick
+                    status.last_active = self.clock()
+                    self._set_state(status, State.active, str(e))
+                else:
+                    self._fail(status, "suspend_failed", str(e))
+                metrics.ACTIONS.labels(action="suspend", result=result).inc()
+                self.log.warning("%s: suspension refused: %s", key, e)
+                return
+            except (CheckpointError, asyncio.TimeoutError, Exception) as e:
+                why = str(e) or type(e).__name__
+                self.log.error("%s: suspension failed, server left running: %s", key, why)
+                metrics.ACTIONS.labels(action="suspend", result="failed").inc()
+                metrics.FAILURES.labels(kind="suspend").inc()
+                self._fail(status, "suspend_failed", why)
+                return
+            metrics.ACTION_SECONDS.labels(action="suspend").observe(time.perf_counter() - t0)
+            # The checkpoint is verified and the processes are gone: now stop it in the Hub.
+            status.checkpoint_id = info.id
+            try:
+                await self.hub.stop_server(server.user, server.name)
+            except HubError as e:
+                # The spawner's poll finds the process gone and stops it with will_resume; not lost.
+                metrics.FAILURES.labels(kind="hub").inc()
+                self.log.warning("%s: checkpoint verified but the Hub stop failed (%s); the Hub's poll will stop it", key, e)
+            detail = info.as_dict()
+            self._set_state(status, State.suspended, reason, event=("suspend", detail))
+            metrics.ACTIONS.labels(action="suspend", result="ok").inc()
+            self.log.info("%s: suspended to checkpoint %s (%d bytes)", key, info.id, info.image_bytes)
+            event = self.store.events(key, limit=1)[0]["id"]
+            await self._notify("suspended", status, str(event), detail)
+
+    async def _plain_stop(self, server: Server, status: ServerStatus, reason: str) -> None:
+        try:
+            await self.hub.stop_server(server.user, server.name)
+        except HubError as e:
+            metrics.ACTIONS.labels(action="stop", result="failed").inc()
+            self._fail(status, "stop_failed", str(e))
+            return
+        self.store.record_event(server.key, "stop", {"reason": reason})
+        metrics.ACTIONS.labels(action="stop", result="ok").inc()
+        self.log.info("%s: stopped (no checkpoint: rule action 'stop'): %s", server.key, reason)
+        self.store.delete(server.key)
+
+    async def park(self, server: Server, status: ServerStatus, unpark: bool = False) -> None:
+        from .checkpoint.cuda import CudaCheckpoint
+        from .park import park, unpark as do_unpark
+
+        action = "unpark" if unpark else "park"
+        pids = tree_pids(server.pid)
+        t0 = time.perf_counter()
+        try:
+            cuda = CudaCheckpoint()
+            result = await (do_unpark(pids, cuda) if unpark else park(pids, cuda))
+        except CheckpointRefused as e:
+            metrics.ACTIONS.labels(action=action, result="refused").inc()
+            self.log.info("%s: %s refused: %s", server.key, action, e)
+            if not unpark:
+                self._set_state(status, State.idle, f"park refused: {e}")
+            return
+        except Exception as e:
+            metrics.ACTIONS.labels(action=action, result="failed").inc()
+            metrics.FAILURES.labels(kind=action).inc()
+            self.log.error("%s: %s failed: %s", server.key, action, e)
+            return
+        metrics.ACTION_SECONDS.labels(action=action).observe(time.perf_counter() - t0)
+        metrics.ACTIONS.labels(action=action, result="ok").inc()
+        self.store.record_event(server.key, action, {"bytes": getattr(result, "bytes", 0), "seconds": time.perf_counter() - t0})
+
+    def _set_state(self, status: ServerStatus, state: State, reason: str, event: tuple[str, dict] | None = None) -> None:
+        now = self.clock()
+        if state != status.state:
+            self.log.info("%s: %s -> %s (%s)", status.key, status.state, state, reason)
+            self.store.record_event(status.key, "state", {"from": str(status.state), "to": str(state), "reason": reason})
+        status.state, status.state_since, status.reason = state, now, reason
+        if event:
+            self.store.record_event(status.key, *event)
+        self.store.put(status)
+
+    def _fail(self, status: ServerStatus, kind: str, why: str) -> None:
+        status.failure = why
+        status.failures = (status.failures or 0) + 1
+        self._set_state(status, State.failed, why, event=(kind, {"error": why}))
+
+    async def _notify(self, kind: str, status: ServerStatus, event_ref: str, detail: dict) -> None:
+        if self.notifier is None:
+            return
+        try:
+            await self.notifier.notify_event(kind, status, event_ref, detail)
+        except Exception as e:  # email never blocks or undoes a checkpoint
+            metrics.FAILURES.labels(kind="email").inc()
+            self.log.error("%s: %s email failed: %s", status.key, kind, e)
+
+    # ------------------------------------------------------------ user requests
+    def request_keep(self, key: str, until: float) -> ServerStatus:
+        status = self.store.get(key)
+        if status is None:
+            raise KeyError(key)
+        server = self.servers.get(key)
+        rule = self.policy.rule_for(server) if server else self.policy.default
+        from .policy import clamp_keep
+
+        status.keep_until = clamp_keep(until, self.clock(), rule)
+        if status.state in (State.idle, State.warned, State.failed):
+            self._set_state(status, State.active, "keep running requested")
+        self.store.record_event(key, "keep", {"until": status.keep_until})
+        self.store.put(status)
+        return status
