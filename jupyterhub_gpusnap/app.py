@@ -26,26 +26,7 @@ from .signals.base import SignalSource
 from .store import Store
 from .watcher import Watcher
 
-#: The Hub scopes the service needs, and why. docs/install.md shows them as a load_roles entry.
-REQUIRED_SCOPES = {
-    "list:users": "list users with running servers (GET /users?state=ready)",
-    "read:users": "read user names, groups and activity of servers",
-    "read:users:activity": "read last_activity",
-    "read:servers": "read each server's url, start time and readiness",
-    "admin:server_state": "read the spawner state (the server's pid on local spawners)",
-    "access:servers": "poll /api/kernels through the proxy (with no_track_activity=1)",
-    "delete:servers": "stop a server after its checkpoint is verified",
-}
-
-CUSTOM_SCOPES = {
-    "custom:gpusnap:read": {
-        "description": "See every server's gpusnap state, signals and snapshots.",
-    },
-    "custom:gpusnap:admin": {
-        "description": "Suspend, keep running or exempt any server through gpusnap.",
-        "subscopes": ["custom:gpusnap:read"],
-    },
-}
+from .hubconfig import CUSTOM_SCOPES, REQUIRED_SCOPES  # noqa: F401  (re-exported)
 
 
 class GpuSnap(Application):
@@ -66,6 +47,19 @@ class GpuSnap(Application):
         "generate-config": ({"GpuSnap": {"generate_config": True}}, "Print a config file with every setting and exit."),
         "debug": ({"Application": {"log_level": 10}}, "Log debug messages."),
     }
+
+    @property
+    def classes(self):
+        """Classes whose settings --generate-config prints."""
+        from .checkpoint.local import LocalBackend
+        from .notify import Mailer, Notifier
+        from .signals.jupyter import JupyterSignal
+        from .signals.local import LocalProcessSignal
+        from .signals.nvml import NvmlSignal
+        from .signals.prometheus import PrometheusSignal
+
+        return [GpuSnap, Watcher, HubClient, LocalBackend, JupyterSignal, LocalProcessSignal, NvmlSignal,
+                PrometheusSignal, Mailer, Notifier]
 
     config_file = Unicode(
         "gpusnap_config.py", help="The config file to load (Python, traitlets style: c.GpuSnap.interval = 60)."
@@ -182,9 +176,8 @@ class GpuSnap(Application):
 
     # -------------------------------------------------------------- the parts
     backend_class = Type(
-        None,
+        "jupyterhub_gpusnap.checkpoint.local.LocalBackend",
         klass=CheckpointBackend,
-        allow_none=True,
         help="How servers are checkpointed: jupyterhub_gpusnap.checkpoint.local.LocalBackend (CRIU on this host, "
         "the default) or jupyterhub_gpusnap.checkpoint.kubernetes.KubernetesBackend (kubelet + node agent).",
     ).tag(config=True)
@@ -269,10 +262,7 @@ class GpuSnap(Application):
                 source.api_token = self.hub.api_token
         self.backend = None
         if self.action == "suspend" or any(r.get("action", self.action) == "suspend" and not r.get("exempt") for r in self.rules):
-            backend_class = self.backend_class
-            if backend_class is None:
-                from .checkpoint.local import LocalBackend as backend_class
-            self.backend = backend_class(parent=self)
+            self.backend = self.backend_class(parent=self)
         self.notifier = None
         if self.email:
             from .notify import ServiceNotifier
@@ -333,6 +323,8 @@ class GpuSnap(Application):
                 pass
         self.log.info("Shutting down; waiting for suspensions under way")
         await self.watcher.wait_idle()
+        if self.notifier is not None:
+            await self.notifier.drain()
         server.stop()
         for source in self.sources:
             await source.close()

@@ -1,0 +1,68 @@
+# JupyterHub config of the jupyterhub-gpusnap demo (written by `python -m jupyterhub_gpusnap.demo`).
+# Every line here is what an admin of a single GPU machine would write; see docs/install.md.
+import sys
+
+c = get_config()  # noqa
+
+c.JupyterHub.bind_url = "http://127.0.0.1:@PORT@"
+c.JupyterHub.db_url = "sqlite:///@ROOT@/jupyterhub.sqlite"
+c.JupyterHub.cookie_secret_file = "@ROOT@/jupyterhub_cookie_secret"
+
+# Demo login: any user name, password "demo". Use your real authenticator in production.
+c.JupyterHub.authenticator_class = "dummy"
+c.DummyAuthenticator.password = "demo"
+c.Authenticator.allow_all = True
+
+# Restore-on-spawn spawner. The demo runs every user as root in @ROOT@/home/<user>;
+# on a real machine use SnapLocalProcessSpawner (system users).
+c.JupyterHub.spawner_class = "jupyterhub_gpusnap.spawner.SnapSimpleLocalProcessSpawner"
+c.SimpleLocalProcessSpawner.home_dir_template = "@ROOT@/home/{username}"
+c.Spawner.args = ["--allow-root"]
+c.Spawner.default_url = "/lab"
+c.LocalBackend.checkpoint_dir = "@ROOT@/checkpoints"
+
+# The user's return restores the server by itself, with the "suspended … restoring" page.
+import jupyterhub_gpusnap  # noqa: E402
+from jupyterhub_gpusnap.hubconfig import TEMPLATE_PATH, CUSTOM_SCOPES, service_role  # noqa: E402
+
+c.JupyterHub.template_paths = [TEMPLATE_PATH]
+c.JupyterHub.implicit_spawn_seconds = 3
+c.JupyterHub.custom_scopes = CUSTOM_SCOPES
+
+c.JupyterHub.services = [
+    {
+        "name": "gpusnap",
+        "url": "http://127.0.0.1:10101",
+        "command": ["@PYTHON@", "-m", "jupyterhub_gpusnap.app", "--config", "@ROOT@/gpusnap_config.py"],
+        "cwd": "@ROOT@",
+        "oauth_no_confirm": True,
+        "display": True,
+        "info": {"description": "Where your notebook server stands: active, idle, suspended, restored."},
+    }
+]
+c.JupyterHub.load_roles = [
+    service_role("gpusnap", email_from_auth_state=False),
+    {"name": "user", "scopes": ["self", "access:services!service=gpusnap"]},
+]
+
+with open("@ROOT@/gpusnap_config.py", "w") as f:
+    f.write(
+        """
+c = get_config()  # noqa
+c.GpuSnap.interval = 10
+c.GpuSnap.idle_window = @IDLE@
+c.GpuSnap.warn_before = @IDLE@ // 2
+c.GpuSnap.min_running = 30
+c.GpuSnap.db_url = "sqlite:///@ROOT@/gpusnap.sqlite"
+c.GpuSnap.proxy_url = "http://127.0.0.1:@PORT@"
+c.LocalBackend.checkpoint_dir = "@ROOT@/checkpoints"
+c.GpuSnap.email = True
+c.Mailer.smtp_host = "127.0.0.1"
+c.Mailer.smtp_port = @SMTP_PORT@
+c.Mailer.smtp_security = "none"
+c.Mailer.from_address = "gpusnap@localhost"
+c.Notifier.address_from = "template"
+c.Notifier.address_template = "{username}@localhost"
+c.Notifier.send_restored = True
+"""
+    )
