@@ -1,0 +1,665 @@
+"""``jupyterhub-gpusnap-agent``: the node agent's traitlets Application and its HTTP API.
+
+Runs as a privileged, hostPID DaemonSet on GPU nodes. JSON in, JSON out; every
+request carries ``Authorization: Bearer <token>``; errors are
+``{"error": …, "fix": …}`` with a 4xx/5xx status.
+
+- ``GET /healthz`` → ``{"ok", "node", "criu", "driver"}``
+- ``GET /v1/signals?pod=NS/POD…`` → per-pod ``cpu_percent``, ``gpu_percent``,
+  ``gpu_memory_bytes``, ``gpu_count``
+- ``POST /v1/checkpoint`` → freeze GPU memory, kubelet checkpoint, ship + verify,
+  delete the node's archive; on failure the GPU is resumed and the container runs on
+- ``POST /v1/restore`` → fetch by digest, unpack, ``criu restore``, resume GPU memory
+- ``POST /v1/park`` / ``/v1/unpark`` → GPU memory of a pod to host memory and back
+- ``GET /v1/doctor`` → node-side readiness checks
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import os
+import re
+import time
+from pathlib import Path
+
+import psutil
+from tornado import web
+from tornado.httpserver import HTTPServer
+from traitlets import Dict, Enum, Float, Instance, Integer, List, Unicode, default
+from traitlets.config import Application
+
+from .. import __version__
+from ..checkpoint import criu as criu_tools
+from ..checkpoint.base import CheckpointError
+from ..checkpoint.cuda import CudaCheckpoint
+from ..signals.nvml import Nvml
+from .errors import AgentError, need
+from .handlers import (
+    CheckpointHandler,
+    DoctorHandler,
+    HealthHandler,
+    ParkHandler,
+    RestoreHandler,
+    SignalsHandler,
+    UnparkHandler,
+)
+from .kubelet import KubeAPI, KubeletClient
+from .pods import CpuMeter, PodMapper, container_id
+from .ship import Shipper, delete_local, remove_tree, sweep_archives
+
+
+class AgentApp(Application):
+    """The node agent: per-pod signals, checkpoint shipping and restores on one node."""
+
+    name = "jupyterhub-gpusnap-agent"
+    version = __version__
+    description = __doc__
+
+    classes = [KubeAPI, KubeletClient, Shipper, PodMapper, CudaCheckpoint]
+    aliases = {
+        "port": "AgentApp.port",
+        "ip": "AgentApp.ip",
+        "node": "AgentApp.node_name",
+        "config": "AgentApp.config_file",
+        "log-level": "Application.log_level",
+    }
+
+    config_file = Unicode(
+        "", help="Python config file to load (c.AgentApp.…, c.KubeletClient.…, c.Shipper.…)."
+    ).tag(config=True)
+
+    ip = Unicode("0.0.0.0", help="Address the agent listens on (the pod IP with 0.0.0.0).").tag(
+        config=True
+    )
+
+    port = Integer(
+        9780, help="Port of the agent's HTTP API (the hub side calls <pod IP>:9780)."
+    ).tag(config=True)
+
+    node_name = Unicode(
+        help="Name of the node this agent runs on. Default: $NODE_NAME, set from the downward API "
+        "(env: - name: NODE_NAME, valueFrom: fieldRef: fieldPath: spec.nodeName).",
+    ).tag(config=True)
+
+    @default("node_name")
+    def _default_node(self) -> str:
+        return os.environ.get("NODE_NAME", "")
+
+    auth = Enum(
+        ["token", "tokenreview"],
+        "token",
+        help="How callers prove who they are. 'token': a shared secret (api_token or api_token_file) "
+        "in 'Authorization: Bearer'. 'tokenreview': a Kubernetes ServiceAccount token, checked with "
+        "a TokenReview (needs RBAC 'create' on tokenreviews.authentication.k8s.io); the token's "
+        "username must be in allowed_users.",
+    ).tag(config=True)
+
+    api_token = Unicode(
+        "", help="The shared secret for auth='token'. Prefer api_token_file (a mounted Secret)."
+    ).tag(config=True)
+
+    api_token_file = Unicode(
+        "", help="File holding the shared secret for auth='token' (e.g. a mounted Secret key)."
+    ).tag(config=True)
+
+    allowed_users = List(
+        Unicode(),
+        help="For auth='tokenreview': usernames allowed to call the agent, e.g. "
+        "['system:serviceaccount:jhub:hub', 'system:serviceaccount:jhub:gpusnap'].",
+    ).tag(config=True)
+
+    tokenreview_cache_seconds = Float(
+        60.0, help="Seconds a successful TokenReview is trusted before asking the API server again."
+    ).tag(config=True)
+
+    checkpoint_dir = Unicode(
+        "/var/lib/kubelet/checkpoints",
+        help="Where the kubelet's checkpoint archives are visible to the agent (mount the host's "
+        "/var/lib/kubelet/checkpoints there). The kubelet names archives by their host path; the "
+        "agent opens the file of the same name in this folder.",
+    ).tag(config=True)
+
+    restore_dir = Unicode(
+        "/var/lib/gpusnap/restore",
+        help="Scratch folder (hostPath, on a disk with room for the largest checkpoint) where "
+        "images are unpacked for a restore.",
+    ).tag(config=True)
+
+    criu_path = Unicode("criu", help="The CRIU binary (>= 4.2) used for restores.").tag(config=True)
+
+    criu_restore_args = List(
+        Unicode(),
+        help="Extra arguments for 'criu restore' (it always runs with --tcp-close and "
+        "--file-locks: TCP connections the dump held are dropped, clients such as ZMQ reconnect).",
+    ).tag(config=True)
+
+    restore_timeout = Float(
+        600.0, help="Seconds a 'criu restore' may take before it is stopped."
+    ).tag(config=True)
+
+    restore_root = Unicode(
+        "",
+        help="Root filesystem to restore into (criu --root). Empty: the agent's own root. For "
+        "a placeholder pod, /proc/<placeholder pid>/root.",
+    ).tag(config=True)
+
+    default_timeout = Integer(
+        120,
+        help="Checkpoint timeout in seconds when a request gives none (passed to the kubelet; "
+        "the CRI default is 120).",
+    ).tag(config=True)
+
+    pvc_paths = List(
+        Unicode(),
+        help="Folders (mounted PVCs) a checkpoint request may use as target.path. Empty: any "
+        "existing folder.",
+    ).tag(config=True)
+
+    cpu_sample_seconds = Float(
+        1.0,
+        help="When a pod is read for the first time, seconds between the two cpu.stat readings "
+        "that give its CPU percent.",
+    ).tag(config=True)
+
+    extra_settings = Dict(help="Extra tornado Application settings.").tag(config=True)
+
+    api = Instance(KubeAPI)
+    kubelet = Instance(KubeletClient)
+    shipper = Instance(Shipper)
+    mapper = Instance(PodMapper)
+    cuda = Instance(CudaCheckpoint)
+
+    @default("api")
+    def _api(self):
+        return KubeAPI(parent=self)
+
+    @default("kubelet")
+    def _kubelet(self):
+        return KubeletClient(self.api, parent=self)
+
+    @default("shipper")
+    def _shipper(self):
+        return Shipper(parent=self)
+
+    @default("mapper")
+    def _mapper(self):
+        return PodMapper(parent=self)
+
+    @default("cuda")
+    def _cuda(self):
+        return CudaCheckpoint(parent=self, nvml=self.nvml)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.nvml = Nvml()
+        self.cpu = CpuMeter()
+        self._gpu_since: dict[str, int] = {}
+        self._busy: dict[str, str] = {}
+        self._reviews: dict[str, tuple[str, float]] = {}
+        self._criu: str | None = None
+        self._restored: list = []
+        self.server: HTTPServer | None = None
+
+    # -- start-up -----------------------------------------------------------------------
+
+    def initialize(self, argv=None) -> None:
+        """Parse the command line, then load config_file; the command line wins over the file."""
+        self.parse_command_line(argv)
+        if self.config_file:
+            self.load_config_file(self.config_file)
+            self.update_config(self.cli_config)
+
+    def make_app(self) -> web.Application:
+        handlers = [
+            (r"/healthz", HealthHandler),
+            (r"/v1/signals", SignalsHandler),
+            (r"/v1/checkpoint", CheckpointHandler),
+            (r"/v1/restore", RestoreHandler),
+            (r"/v1/park", ParkHandler),
+            (r"/v1/unpark", UnparkHandler),
+            (r"/v1/doctor", DoctorHandler),
+        ]
+        return web.Application(
+            handlers, agent=self, log_function=self._log_request, **self.extra_settings
+        )
+
+    def _log_request(self, handler: web.RequestHandler) -> None:
+        status = handler.get_status()
+        level = (
+            self.log.info
+            if status < 400 or handler.request.path == "/healthz"
+            else self.log.warning
+        )
+        if handler.request.path == "/healthz" and status < 400:
+            level = self.log.debug
+        level(
+            "%d %s %s %.1fms",
+            status,
+            handler.request.method,
+            handler.request.uri,
+            1000 * handler.request.request_time(),
+        )
+
+    async def start_server(self) -> HTTPServer:
+        """Listen on ip:port; returns the server (tests use port 0 and read the bound port)."""
+        if self.auth == "token" and not self.shared_secret():
+            raise AgentError(
+                "no api_token configured", "set AgentApp.api_token_file to a mounted Secret", 500
+            )
+        if self.auth == "tokenreview" and not self.allowed_users:
+            raise AgentError(
+                "auth = 'tokenreview' with no allowed_users",
+                "list the hub's and the service's ServiceAccount usernames in allowed_users",
+                500,
+            )
+        self._criu = await criu_tools.criu_version(self.criu_path)
+        self.server = HTTPServer(self.make_app())
+        self.server.listen(self.port, self.ip)
+        if self.port == 0:
+            self.port = next(iter(self.server._sockets.values())).getsockname()[1]
+        self.log.info(
+            "gpusnap agent on node %s listening on %s:%d (criu %s, driver %s)",
+            self.node_name or "?",
+            self.ip,
+            self.port,
+            self._criu,
+            self.nvml.driver_version(),
+        )
+        return self.server
+
+    async def stop_server(self) -> None:
+        self._restored = [r for r in self._restored if r.reap() is None]
+        if self.server:
+            self.server.stop()
+            await self.server.close_all_connections()
+
+    def start(self) -> None:
+        async def run():
+            await self.start_server()
+            await asyncio.Event().wait()
+
+        asyncio.run(run())
+
+    # -- auth ---------------------------------------------------------------------------
+
+    def shared_secret(self) -> str:
+        if self.api_token_file:
+            return Path(self.api_token_file).read_text().strip()
+        return self.api_token
+
+    async def authenticate(self, token: str) -> str:
+        """Return who ``token`` is, or raise a 401/403 AgentError."""
+        if not token:
+            raise AgentError("no bearer token", "send 'Authorization: Bearer <token>'", 401)
+        if self.auth == "token":
+            if hmac.compare_digest(token.encode(), self.shared_secret().encode()):
+                return "token"
+            raise AgentError("wrong token", "use the agent's shared secret (api_token_file)", 401)
+        key = hashlib.sha256(token.encode()).hexdigest()
+        cached = self._reviews.get(key)
+        if cached and cached[1] > time.monotonic():
+            return cached[0]
+        status = await self.api.token_review(token)
+        if not status.get("authenticated"):
+            raise AgentError(
+                f"the API server did not authenticate the token: {status.get('error', '')}",
+                "send a valid ServiceAccount token",
+                401,
+            )
+        user = (status.get("user") or {}).get("username", "")
+        if user not in self.allowed_users:
+            raise AgentError(
+                f"{user} may not call the gpusnap agent", "add it to AgentApp.allowed_users", 403
+            )
+        self._reviews[key] = (user, time.monotonic() + self.tokenreview_cache_seconds)
+        return user
+
+    # -- the work -----------------------------------------------------------------------
+
+    async def node_pods(self) -> dict[str, dict]:
+        """Pods scheduled on this node, by ``namespace/name``."""
+        pods = await self.api.list_pods(field_selector=f"spec.nodeName={self.node_name}")
+        return {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in pods}
+
+    async def signals(self, keys: list[str]) -> dict:
+        pods = await self.node_pods()
+        procs = await asyncio.to_thread(self.mapper.scan)
+        gpu_ok = await asyncio.to_thread(self.nvml.open)
+        out: dict[str, dict] = {}
+        first: list[tuple[str, str]] = []
+        for key in keys:
+            entry = {
+                "cpu_percent": None,
+                "gpu_percent": None,
+                "gpu_memory_bytes": None,
+                "gpu_count": None,
+            }
+            out[key] = entry
+            pod = pods.get(key)
+            if pod is None:
+                entry["error"] = f"pod {key} is not on node {self.node_name}"
+                continue
+            uid = pod["metadata"]["uid"]
+            found = procs.get(uid)
+            if found is None:
+                entry["error"] = f"no processes of pod {key} on this node"
+                continue
+            try:
+                usage = self.mapper.cpu_usage_usec(found.cgroup)
+                entry["cpu_percent"] = self.cpu.update(uid, usage)
+                if entry["cpu_percent"] is None:
+                    first.append((key, uid))
+            except (OSError, ValueError) as e:
+                entry["error"] = f"cpu.stat of pod {key}: {e}"
+            if gpu_ok:
+                entry.update(await asyncio.to_thread(self._gpu_of, uid, found.pids))
+        if first:
+            await asyncio.sleep(self.cpu_sample_seconds)
+            for key, uid in first:
+                try:
+                    usage = self.mapper.cpu_usage_usec(procs[uid].cgroup)
+                except (OSError, ValueError) as e:  # the pod went away meanwhile
+                    out[key]["error"] = f"cpu.stat of pod {key}: {e}"
+                    continue
+                out[key]["cpu_percent"] = self.cpu.update(uid, usage)
+        self.cpu.forget({p["metadata"]["uid"] for p in pods.values()})
+        return {"pods": out}
+
+    def _gpu_of(self, uid: str, pids: list[int]) -> dict:
+        memory = self.nvml.process_memory(pids)
+        since = self._gpu_since.get(uid, 0)
+        percent = None
+        newest = since
+        for index in memory:
+            p, ts = self.nvml.process_utilization(index, pids, since)
+            newest = max(newest, ts)
+            if p is not None:
+                percent = max(percent or 0, p)
+        self._gpu_since[uid] = newest
+        if memory and percent is None:
+            percent = 0.0
+        return {
+            "gpu_percent": float(percent) if percent is not None else (0.0 if memory else None),
+            "gpu_memory_bytes": sum(sum(d.values()) for d in memory.values()),
+            "gpu_count": len(memory),
+        }
+
+    async def pod_on_node(self, namespace: str, name: str) -> dict:
+        pod = await self.api.get_pod(namespace, name)
+        node = (pod.get("spec") or {}).get("nodeName", "")
+        if node != self.node_name:
+            raise AgentError(
+                f"pod {namespace}/{name} runs on node {node or '(none)'}, not {self.node_name}",
+                f"call the agent on node {node}",
+                409,
+            )
+        return pod
+
+    async def container_pids(self, pod: dict, container: str) -> list[int]:
+        """Host PIDs of one container of ``pod`` (all the pod's when the ID is not known)."""
+        procs = (await asyncio.to_thread(self.mapper.scan)).get(pod["metadata"]["uid"])
+        if procs is None:
+            return []
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            if status.get("name") == container and status.get("containerID"):
+                return procs.containers.get(container_id(status["containerID"]), procs.pids)
+        return procs.pids
+
+    def claim(self, key: str, what: str) -> None:
+        if key in self._busy:
+            raise AgentError(
+                f"{key} is busy: {self._busy[key]} in progress", "retry when it has finished", 409
+            )
+        self._busy[key] = what
+
+    async def checkpoint(self, body: dict) -> dict:
+        ns, name = need(body, "namespace"), need(body, "pod")
+        container = need(body, "container")
+        try:
+            timeout = int(body.get("timeout") or self.default_timeout)
+        except (TypeError, ValueError) as e:
+            raise AgentError(
+                "timeout must be a whole number of seconds", "send e.g. 120", 400
+            ) from e
+        target = body.get("target") or {}
+        if target.get("kind") not in ("registry", "pvc"):
+            raise AgentError(
+                "target.kind must be 'registry' or 'pvc'",
+                "send target {kind: registry, repository} or {kind: pvc, path}",
+                400,
+            )
+        key = f"{ns}/{name}"
+        self.claim(key, "checkpoint")
+        try:
+            return await self._checkpoint(ns, name, container, timeout, target)
+        finally:
+            self._busy.pop(key, None)
+
+    async def _checkpoint(
+        self, ns: str, name: str, container: str, timeout: int, target: dict
+    ) -> dict:
+        started = time.monotonic()
+        pod = await self.pod_on_node(ns, name)
+        annotations = pod["metadata"].get("annotations") or {}
+        user = annotations.get("hub.jupyter.org/username")
+        server = (
+            f"{user}/{annotations.get('hub.jupyter.org/servername', '')}"
+            if user
+            else f"{ns}/{name}"
+        )
+        pids = await self.container_pids(pod, container)
+        held = await asyncio.to_thread(self.nvml.process_memory, pids) if pids else {}
+        gpu_pids = sorted({p for d in held.values() for p in d})
+        gpu_bytes = sum(sum(d.values()) for d in held.values())
+        if gpu_pids and not await asyncio.to_thread(self.cuda.available):
+            raise AgentError(
+                f"{server}: pids {gpu_pids} hold GPU memory but the CUDA checkpoint API "
+                f"is unavailable ({self.cuda.reason})",
+                "upgrade the node's NVIDIA driver to 570 or newer",
+                409,
+            )
+        suspended = await self.cuda.suspend(gpu_pids) if gpu_pids else []
+        archive: Path | None = None
+        try:
+            path = await self.kubelet.checkpoint(self.node_name, ns, name, container, timeout)
+            archive = Path(self.checkpoint_dir) / Path(path).name
+            if not archive.exists():
+                raise AgentError(
+                    f"the kubelet wrote {path} but the agent cannot see {archive}",
+                    "mount the host's /var/lib/kubelet/checkpoints at checkpoint_dir",
+                    500,
+                )
+            created = time.time()
+            if target["kind"] == "registry":
+                shipped = await self.shipper.to_registry(
+                    archive, need(target, "repository"), container, server, gpu_bytes, created
+                )
+            else:
+                folder = Path(need(target, "path"))
+                if self.pvc_paths and str(folder) not in self.pvc_paths:
+                    raise AgentError(
+                        f"target.path {folder} is not one of pvc_paths",
+                        "use a path listed in AgentApp.pvc_paths",
+                        400,
+                    )
+                shipped = await self.shipper.to_pvc(archive, folder, server, gpu_bytes, created)
+        except BaseException as e:
+            if suspended:
+                await self.cuda.resume(suspended)
+            self.log.warning(
+                "checkpoint of %s (pod %s/%s) failed, it keeps running: %s", server, ns, name, e
+            )
+            raise
+        finally:
+            if archive is not None:
+                delete_local(archive, self.log)
+            # archives a timed-out kubelet call finished writing later
+            sweep_archives(Path(self.checkpoint_dir), ns, name, container, self.log)
+        self.log.info(
+            "checkpoint of %s (pod %s/%s) verified as %s (%d bytes, %d GPU bytes) in %.1fs",
+            server,
+            ns,
+            name,
+            shipped.id,
+            shipped.image_bytes,
+            gpu_bytes,
+            time.monotonic() - started,
+        )
+        return {
+            "id": shipped.id,
+            "digest": shipped.digest,
+            "image_bytes": shipped.image_bytes,
+            "gpu_bytes": gpu_bytes,
+            "status": "verified",
+            "node": self.node_name,
+        }
+
+    async def restore(self, body: dict) -> dict:
+        ns, name = need(body, "namespace"), need(body, "pod")
+        image = need(body, "image")
+        key = f"{ns}/{name}"
+        self.claim(key, "restore")
+        scratch = (
+            Path(self.restore_dir) / hashlib.sha256(f"{key}@{image}".encode()).hexdigest()[:16]
+        )
+        try:
+            started = time.monotonic()
+            images = await self.shipper.fetch(image, scratch)
+            extra = list(self.criu_restore_args)
+            if self.restore_root:
+                extra += ["--root", self.restore_root]
+            try:
+                restored = await criu_tools.restore(
+                    images,
+                    scratch / "restore.pid",
+                    criu=self.criu_path,
+                    extra=extra,
+                    timeout=self.restore_timeout,
+                )
+            except CheckpointError as e:
+                raise AgentError(
+                    f"criu restore of {image} failed: {e}",
+                    "a PID or port of the checkpoint is taken on this node, or files it had open "
+                    "are missing; the image is kept: free them and restore again",
+                    500,
+                ) from e
+            # criu stays the restored tree's parent and reaps it; keep its handle
+            self._restored = [r for r in self._restored if r.reap() is None] + [restored]
+            pid = restored.pid
+            tree = [pid, *(c.pid for c in _children(pid))]
+            resumed = await self.cuda.resume(tree)
+            self.log.info(
+                "restored %s into pod %s as pid %d (GPU pids %s) in %.1fs",
+                image,
+                key,
+                pid,
+                resumed,
+                time.monotonic() - started,
+            )
+            remove_tree(scratch)
+            return {"restored": True, "pid": pid}
+        finally:
+            self._busy.pop(key, None)
+
+    async def park(self, body: dict, resume: bool) -> dict:
+        ns, name = need(body, "namespace"), need(body, "pod")
+        if not await asyncio.to_thread(self.cuda.available):
+            raise AgentError(
+                f"no CUDA checkpoint API on node {self.node_name}: {self.cuda.reason}",
+                "park works on GPU nodes with NVIDIA driver >= 570",
+                409,
+            )
+        pod = await self.pod_on_node(ns, name)
+        procs = (await asyncio.to_thread(self.mapper.scan)).get(pod["metadata"]["uid"])
+        pids = procs.pids if procs else []
+        started = time.monotonic()
+        if resume:
+            done = await self.cuda.resume(pids)
+            held = await asyncio.to_thread(self.nvml.process_memory, done) if done else {}
+            nbytes = sum(sum(d.values()) for d in held.values())
+        else:
+            held = await asyncio.to_thread(self.nvml.process_memory, pids) if pids else {}
+            nbytes = sum(sum(d.values()) for d in held.values())
+            done = await self.cuda.suspend(sorted({p for d in held.values() for p in d}))
+        return {"pids": done, "bytes": nbytes, "seconds": round(time.monotonic() - started, 3)}
+
+    async def doctor(self) -> dict:
+        checks = []
+
+        def check(name: str, ok: bool, detail: str, fix: str = "") -> None:
+            checks.append(
+                {"name": name, "ok": bool(ok), "detail": detail, "fix": "" if ok else fix}
+            )
+
+        version = await criu_tools.criu_version(self.criu_path)
+        major_ok = bool(version) and tuple(int(x) for x in re.findall(r"\d+", version)[:2]) >= (
+            4,
+            2,
+        )
+        check(
+            "criu",
+            major_ok,
+            f"criu {version}" if version else f"{self.criu_path} not found",
+            "install CRIU >= 4.2 in the agent image (older releases fail on kernels >= 6.13)",
+        )
+        cg = Path(self.mapper.cgroup_root) / "cgroup.controllers"
+        check(
+            "cgroup-v2",
+            cg.exists(),
+            f"{cg} {'found' if cg.exists() else 'missing'}",
+            "mount the host's /sys/fs/cgroup (cgroup v2) at PodMapper.cgroup_root",
+        )
+        procs = await asyncio.to_thread(self.mapper.scan)
+        check(
+            "host-pids",
+            bool(procs),
+            f"{len(procs)} pods with processes visible",
+            "run the agent with hostPID: true and /proc at PodMapper.proc_root",
+        )
+        ckdir = Path(self.checkpoint_dir)
+        check(
+            "checkpoint-dir",
+            ckdir.is_dir() and os.access(ckdir, os.W_OK),
+            str(ckdir),
+            "mount the host's /var/lib/kubelet/checkpoints read-write at checkpoint_dir",
+        )
+        driver = await asyncio.to_thread(self.nvml.driver_version)
+        check(
+            "nvidia-driver",
+            bool(driver),
+            driver or (self.nvml.reason or "NVML unavailable"),
+            "install the NVIDIA driver on GPU nodes and expose it to the agent (runtimeClass nvidia)",
+        )
+        cuda = await asyncio.to_thread(self.cuda.available)
+        check(
+            "cuda-checkpoint-api",
+            cuda,
+            "available" if cuda else self.cuda.reason,
+            "NVIDIA driver >= 570 provides cuCheckpointProcess*",
+        )
+        try:
+            await self.api.get_node(self.node_name)
+            check("api-server", True, f"node {self.node_name} readable")
+        except AgentError as e:
+            check("api-server", False, e.message, e.fix)
+        return {"checks": checks}
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: ``jupyterhub-gpusnap-agent --node=$NODE_NAME``."""
+    app = AgentApp.instance()
+    app.initialize(argv)
+    app.start()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""Shipping a kubelet checkpoint archive off the node, verifying it, and fetching it back.
+
+Two targets: an OCI registry (the archive becomes a one-layer checkpoint image, see
+:mod:`jupyterhub_gpusnap.checkpoint.oci`) or a folder on a PVC (the archive copied
+next to a small JSON record of its digest). Either way the copy is verified by
+digest before the node's archive is deleted: a failed ship leaves nothing half-done
+that anyone could mistake for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from traitlets import Integer, Unicode
+from traitlets.config import LoggingConfigurable
+
+from ..checkpoint import oci
+from .errors import AgentError
+
+
+@dataclass
+class Shipped:
+    """Where a checkpoint went: ``id`` is ``repo@sha256:…`` or the archive's path on the PVC."""
+
+    id: str
+    digest: str
+    image_bytes: int
+    location: str
+
+
+def _copy_hashing(src: Path, dst: Path, block: int) -> tuple[str, int]:
+    h = hashlib.sha256()
+    size = 0
+    with open(src, "rb") as fin, open(dst, "wb") as fout:
+        while chunk := fin.read(block):
+            h.update(chunk)
+            fout.write(chunk)
+            size += len(chunk)
+        fout.flush()
+        os.fsync(fout.fileno())
+    return "sha256:" + h.hexdigest(), size
+
+
+def extract_archive(archive: Path, dest: Path) -> Path:
+    """Unpack a checkpoint archive into ``dest``; return its CRIU images folder.
+
+    Uses tarfile's ``data`` filter: members that would land outside ``dest`` (absolute
+    paths, ``..``, links pointing out), devices and setuid bits are refused.
+    """
+    dest.mkdir(parents=True, exist_ok=True)
+    try:
+        with tarfile.open(archive, "r:") as tar:
+            tar.extractall(dest, filter="data")
+    except tarfile.FilterError as e:
+        raise AgentError(
+            f"checkpoint archive {archive.name} has an unsafe path: {e}",
+            "the image is not a kubelet checkpoint archive: check where it came from",
+            422,
+        ) from e
+    except tarfile.TarError as e:
+        raise AgentError(
+            f"checkpoint archive {archive.name} is not a readable tar: {e}",
+            "the image is not a kubelet checkpoint archive",
+            422,
+        ) from e
+    images = dest / "checkpoint"
+    if not (images / "inventory.img").exists():
+        raise AgentError(
+            f"checkpoint archive {archive.name} has no checkpoint/inventory.img",
+            "the image is not a kubelet checkpoint archive (expected config.dump, spec.dump, checkpoint/)",
+            422,
+        )
+    return images
+
+
+class Shipper(LoggingConfigurable):
+    """Pushes archives to a registry or a PVC folder, verifies them, and pulls them back."""
+
+    registry_scheme = Unicode(
+        "https",
+        help="'https' for real registries; 'http' only for an in-cluster registry on a trusted network.",
+    ).tag(config=True)
+
+    docker_config_path = Unicode(
+        "",
+        help="Docker config JSON with push/pull credentials, e.g. a kubernetes.io/dockerconfigjson "
+        "Secret mounted at /etc/gpusnap/registry/.dockerconfigjson. Empty: anonymous.",
+    ).tag(config=True)
+
+    registry_ca_file = Unicode("", help="CA bundle of the registry's TLS certificate.").tag(
+        config=True
+    )
+
+    chunk_size = Integer(
+        64 << 20,
+        help="Bytes per chunk when uploading an archive; the most memory one upload uses.",
+    ).tag(config=True)
+
+    architecture = Unicode(
+        "amd64", help="Architecture written in the image config (the node's, in GOARCH spelling)."
+    ).tag(config=True)
+
+    def client(self, host: str) -> oci.RegistryClient:
+        return oci.RegistryClient(
+            host,
+            scheme=self.registry_scheme,
+            docker_config_path=self.docker_config_path,
+            ca_file=self.registry_ca_file,
+            chunk_size=self.chunk_size,
+            parent=self,
+        )
+
+    async def to_registry(
+        self,
+        archive: Path,
+        repository: str,
+        container: str,
+        server: str,
+        gpu_bytes: int,
+        created: float,
+    ) -> Shipped:
+        """Push ``archive`` as a checkpoint image under ``repository`` and verify it."""
+        try:
+            ref = oci.ImageRef.parse(repository)
+        except ValueError as e:
+            raise AgentError(str(e), "set target.repository to host[:port]/path", 400) from e
+        client = self.client(ref.registry)
+        annotations = oci.checkpoint_annotations(container, server, gpu_bytes, created)
+        try:
+            pushed = await oci.push_archive(
+                client,
+                ref.repository,
+                archive,
+                annotations,
+                oci.tag_for(server or container, created),
+                created,
+                architecture=self.architecture,
+            )
+        except oci.RegistryError as e:
+            raise AgentError(f"pushing the checkpoint failed: {e}", _registry_fix(e), 502) from e
+        return Shipped(pushed.ref, pushed.digest, pushed.image_bytes, ref.repository)
+
+    async def to_pvc(
+        self, archive: Path, folder: Path, server: str, gpu_bytes: int, created: float
+    ) -> Shipped:
+        """Copy ``archive`` into ``folder`` (a mounted PVC), fsync, re-read and compare digests."""
+        if not folder.is_dir():
+            raise AgentError(
+                f"PVC path {folder} is not a folder on this node",
+                "mount the snapshot PVC into the agent pod at target.path",
+                400,
+            )
+        name = oci.tag_for(server or archive.stem, created)
+        dest = folder / f"{name}.tar"
+        record = folder / f"{name}.json"
+        partial = folder / f".{name}.tar.partial"
+        loop = asyncio.get_running_loop()
+        try:
+            digest, size = await loop.run_in_executor(
+                None, _copy_hashing, archive, partial, self.chunk_size
+            )
+            again, _ = await loop.run_in_executor(None, oci.sha256_file, partial)
+            if again != digest:
+                raise AgentError(
+                    f"the copy on {folder} reads back as {again}, written as {digest}",
+                    "the PVC's storage is corrupting data: check the volume",
+                    502,
+                )
+            os.replace(partial, dest)
+            record.write_text(
+                json.dumps(
+                    {
+                        "digest": digest,
+                        "size": size,
+                        "server": server,
+                        "gpu_bytes": gpu_bytes,
+                        "created": created,
+                    }
+                )
+            )
+        except OSError as e:
+            partial.unlink(missing_ok=True)
+            raise AgentError(
+                f"copying the checkpoint to {folder} failed: {e}",
+                "check the PVC's free space and that it is mounted read-write",
+                507,
+            ) from e
+        except AgentError:
+            partial.unlink(missing_ok=True)
+            raise
+        return Shipped(str(dest), digest, size, str(folder))
+
+    async def fetch(self, image: str, dest: Path) -> Path:
+        """Fetch a checkpoint (``repo@sha256:…`` or a PVC path), verify it, unpack it; return the images dir."""
+        dest.mkdir(parents=True, exist_ok=True)
+        loop = asyncio.get_running_loop()
+        if image.startswith("/"):
+            archive = Path(image)
+            record = archive.with_suffix(".json")
+            try:
+                want = json.loads(record.read_text())["digest"]
+                got, _ = await loop.run_in_executor(None, oci.sha256_file, archive)
+            except (OSError, ValueError, KeyError) as e:
+                raise AgentError(
+                    f"cannot read checkpoint {image}: {e}",
+                    "mount the snapshot PVC into the agent pod at the same path",
+                    404,
+                ) from e
+            if got != want:
+                raise AgentError(
+                    f"checkpoint {image} is corrupt ({got}, recorded {want})",
+                    "the archive changed on the PVC: it cannot be restored",
+                    422,
+                )
+        else:
+            archive = dest / "layer.tar"
+            try:
+                ref = oci.ImageRef.parse(image)
+                await oci.pull_layer(self.client(ref.registry), image, archive)
+            except ValueError as e:
+                raise AgentError(str(e), "pass the image as host/path@sha256:…", 400) from e
+            except oci.RegistryError as e:
+                raise AgentError(
+                    f"pulling checkpoint {image} failed: {e}", _registry_fix(e), 502
+                ) from e
+        images = await loop.run_in_executor(None, extract_archive, archive, dest / "archive")
+        if archive.parent == dest:
+            archive.unlink()
+        return images
+
+
+def _registry_fix(e: oci.RegistryError) -> str:
+    return str(e).rpartition("; ")[2] if "; " in str(e) else "check the registry's log"
+
+
+def delete_local(archive: Path, log) -> None:
+    """Delete the kubelet's archive (root-only, never cleaned by the kubelet, holds memory contents)."""
+    try:
+        archive.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        log.warning("could not delete checkpoint archive %s: %s", archive, e)
+
+
+def sweep_archives(folder: Path, namespace: str, pod: str, container: str, log) -> list[Path]:
+    """Delete every kubelet archive of one container (``checkpoint-<pod>_<ns>-<ctr>-<time>.tar``).
+
+    Called after each checkpoint of that container, when no other checkpoint of it can
+    be in flight: it removes archives a kubelet finished after the agent stopped waiting.
+    """
+    removed = []
+    for path in folder.glob(f"checkpoint-{pod}_{namespace}-{container}-[0-9][0-9][0-9][0-9]-*.tar"):
+        delete_local(path, log)
+        removed.append(path)
+    if removed:
+        log.info(
+            "removed %d stale checkpoint archive(s) of %s/%s/%s",
+            len(removed),
+            namespace,
+            pod,
+            container,
+        )
+    return removed
+
+
+def remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+__all__ = ["Shipper", "Shipped", "extract_archive", "delete_local", "remove_tree", "sweep_archives"]

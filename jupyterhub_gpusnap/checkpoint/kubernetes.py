@@ -1,0 +1,458 @@
+"""The ``kubernetes`` checkpoint backend: checkpoints through the node agent, records in ConfigMaps.
+
+How a checkpoint is taken: the server's pod is read from the API server (its name
+and namespace from the KubeSpawner state, else ``pod_name_template``); the agent
+pod on the same node is found by label; its ``POST /v1/checkpoint`` freezes GPU
+memory, has the kubelet checkpoint the container, ships the archive (OCI image or
+PVC), verifies it and deletes the node's copy. The backend then records the verified
+checkpoint so the spawner can find it.
+
+Where checkpoints are recorded: one ConfigMap per checkpoint in ``namespace``,
+named ``gpusnap-<server hash>-<created ms>``, labelled
+``app.kubernetes.io/managed-by=jupyterhub-gpusnap`` and
+``gpusnap.jupyter.org/server=<hash of user/server>``, holding the
+:class:`CheckpointInfo` as JSON under ``checkpoint.json``. ConfigMaps work for both
+targets (registry and PVC), need only namespaced RBAC (configmaps: create, get,
+list, delete) and survive hub restarts. ``delete`` removes the record and, for
+registry images, the manifest (when ``delete_images`` and the credentials allow).
+
+The container keeps running after a kubelet checkpoint: the service stops the
+server through the Hub once :meth:`checkpoint` returns, which deletes the pod and
+frees the GPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from traitlets import Bool, Enum, Float, Instance, Integer, Unicode, default
+from traitlets.config import LoggingConfigurable
+
+from ..agent.errors import AgentError
+from ..agent.kubelet import KubeAPI
+from ..model import Server
+from . import oci
+from .base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
+
+MANAGED_BY = "app.kubernetes.io/managed-by"
+SERVER_LABEL = "gpusnap.jupyter.org/server"
+ID_LABEL = "gpusnap.jupyter.org/id"
+
+
+def _hash(text: str, n: int = 16) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:n]
+
+
+def safe_name(text: str) -> str:
+    """Lowercase ``[a-z0-9-]`` form of a user or server name (for pod and repository names)."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "x"
+
+
+class AgentLocator(LoggingConfigurable):
+    """Finds a server's pod and the node agent beside it, and calls the agent's API.
+
+    Shared by :class:`KubernetesBackend` and the ``agent`` signal source.
+    """
+
+    namespace = Unicode(
+        help="Namespace of the user pods (KubeSpawner's namespace). Default: $POD_NAMESPACE, else 'default'. "
+        "A server's own state (KubeSpawner's 'namespace') wins when present.",
+    ).tag(config=True)
+
+    @default("namespace")
+    def _default_namespace(self) -> str:
+        return os.environ.get("POD_NAMESPACE", "default")
+
+    pod_name_template = Unicode(
+        "jupyter-{username}{servername_suffix}",
+        help="Pod name of a server when its state has no 'pod_name' (KubeSpawner stores it). "
+        "Fields: {username}, {servername}, {servername_suffix} ('--<servername>' for named "
+        "servers), all in lowercase [a-z0-9-].",
+    ).tag(config=True)
+
+    container = Unicode(
+        "notebook", help="Name of the notebook container in the user pod (KubeSpawner: 'notebook')."
+    ).tag(config=True)
+
+    agent_namespace = Unicode(
+        help="Namespace of the agent DaemonSet. Default: the same as 'namespace'."
+    ).tag(config=True)
+
+    @default("agent_namespace")
+    def _default_agent_ns(self) -> str:
+        return self.namespace
+
+    agent_label_selector = Unicode(
+        "app.kubernetes.io/name=jupyterhub-gpusnap-agent",
+        help="Label selector of the agent pods; the one on the server's node is used.",
+    ).tag(config=True)
+
+    agent_port = Integer(9780, help="Port of the agents' HTTP API.").tag(config=True)
+
+    agent_scheme = Unicode(
+        "http",
+        help="'http' (inside the cluster network, protect it with a NetworkPolicy) or 'https'.",
+    ).tag(config=True)
+
+    agent_token_file = Unicode(
+        "",
+        help="File with the agents' shared secret (their auth='token'). Empty: send this pod's "
+        "ServiceAccount token (the agents' auth='tokenreview').",
+    ).tag(config=True)
+
+    agent_timeout = Float(
+        900.0,
+        help="Seconds a call to an agent may take; a checkpoint includes the kubelet's dump and the push.",
+    ).tag(config=True)
+
+    api = Instance(KubeAPI)
+
+    @default("api")
+    def _api(self) -> KubeAPI:
+        return KubeAPI(parent=self)
+
+    def pod_of(self, server: Server) -> tuple[str, str]:
+        """(namespace, pod name) of a server."""
+        state = server.state or {}
+        namespace = state.get("namespace") or self.namespace
+        if state.get("pod_name"):
+            return namespace, state["pod_name"]
+        name = self.pod_name_template.format(
+            username=safe_name(server.user),
+            servername=safe_name(server.name) if server.name else "",
+            servername_suffix=f"--{safe_name(server.name)}" if server.name else "",
+        )
+        return namespace, name
+
+    async def agent_url(self, node: str) -> str:
+        pods = await self.api.list_pods(
+            self.agent_namespace,
+            label_selector=self.agent_label_selector,
+            field_selector=f"spec.nodeName={node}",
+        )
+        ready = [p for p in pods if (p.get("status") or {}).get("podIP")]
+        if not ready:
+            raise AgentError(
+                f"no gpusnap agent pod runs on node {node} (selector {self.agent_label_selector} in "
+                f"namespace {self.agent_namespace})",
+                "deploy the agent DaemonSet on GPU nodes (tolerations, nodeSelector) or fix agent_label_selector",
+                503,
+            )
+        ip = ready[0]["status"]["podIP"]
+        return f"{self.agent_scheme}://{'[' + ip + ']' if ':' in ip else ip}:{self.agent_port}"
+
+    async def node_of(self, namespace: str, pod: str) -> str:
+        obj = await self.api.get_pod(namespace, pod)
+        node = (obj.get("spec") or {}).get("nodeName")
+        if not node:
+            raise AgentError(
+                f"pod {namespace}/{pod} is not scheduled on a node", "wait until it runs", 409
+            )
+        return node
+
+    def token(self) -> str:
+        if self.agent_token_file:
+            return Path(self.agent_token_file).read_text().strip()
+        return self.api.token()
+
+    async def call(
+        self,
+        base: str,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        timeout: float | None = None,
+    ) -> dict:
+        """Call an agent; its ``{"error", "fix"}`` answers become AgentError."""
+        req = HTTPRequest(
+            base + path,
+            method=method,
+            headers={"Authorization": f"Bearer {self.token()}", "Content-Type": "application/json"},
+            body=json.dumps(body) if body is not None else None,
+            request_timeout=timeout or self.agent_timeout,
+        )
+        try:
+            r = await AsyncHTTPClient().fetch(req, raise_error=False)
+        except HTTPClientError as e:
+            raise AgentError(
+                f"the gpusnap agent at {base} did not answer {method} {path}: {e}",
+                "check the agent's log; raise agent_timeout for large checkpoints",
+                504,
+            ) from e
+        except OSError as e:
+            raise AgentError(
+                f"cannot reach the gpusnap agent at {base}: {e}",
+                "check the agent pod and the NetworkPolicy allowing the hub side to reach it",
+                502,
+            ) from e
+        if r.code == 599:
+            raise AgentError(
+                f"the gpusnap agent at {base} did not answer {method} {path}: {r.error}",
+                "check the agent's log; raise agent_timeout for large checkpoints",
+                504,
+            )
+        try:
+            data = json.loads(r.body or b"{}")
+        except ValueError:
+            data = {"error": (r.body or b"")[:200].decode(errors="replace"), "fix": ""}
+        if r.code >= 400:
+            raise AgentError(
+                data.get("error") or f"agent answered {r.code}", data.get("fix", ""), r.code
+            )
+        return data
+
+
+class KubernetesBackend(CheckpointBackend):
+    """Checkpoints Kubernetes servers through the node agents (kubelet checkpoint + OCI/PVC)."""
+
+    target = Enum(
+        ["registry", "pvc"],
+        "registry",
+        help="Where agents ship checkpoints: 'registry' (an OCI image per checkpoint, pushed to "
+        "repository_template) or 'pvc' (an archive in pvc_path on a volume the agents mount).",
+    ).tag(config=True)
+
+    repository_template = Unicode(
+        "registry.example.org/gpusnap/{username}",
+        help="Repository for checkpoint images, per server. Fields: {username}, {servername} "
+        "(lowercase [a-z0-9-]). The agents need push and pull rights there.",
+    ).tag(config=True)
+
+    pvc_path = Unicode(
+        "/snapshots",
+        help="For target='pvc': the folder where the snapshot PVC is mounted in the agent pods.",
+    ).tag(config=True)
+
+    timeout = Integer(
+        300,
+        help="Seconds the kubelet may take to checkpoint a container (passed as ?timeout=). "
+        "Allow about 1 s per 250 MB of container memory.",
+    ).tag(config=True)
+
+    delete_images = Bool(
+        True,
+        help="delete() also deletes the image's manifest from the registry (needs delete rights "
+        "and a registry with deletes enabled); otherwise only the record goes.",
+    ).tag(config=True)
+
+    registry_scheme = Unicode(
+        "https", help="Scheme the service uses to reach the registry for deletes."
+    ).tag(config=True)
+
+    docker_config_path = Unicode(
+        "", help="Docker config JSON with the registry credentials the service uses for deletes."
+    ).tag(config=True)
+
+    locator = Instance(AgentLocator)
+
+    @default("locator")
+    def _locator(self) -> AgentLocator:
+        return AgentLocator(parent=self)
+
+    @property
+    def api(self) -> KubeAPI:
+        return self.locator.api
+
+    @property
+    def namespace(self) -> str:
+        return self.locator.namespace
+
+    def target_for(self, server: Server) -> dict:
+        if self.target == "pvc":
+            return {"kind": "pvc", "path": self.pvc_path}
+        repo = self.repository_template.format(
+            username=safe_name(server.user),
+            servername=safe_name(server.name) if server.name else "default",
+        )
+        return {"kind": "registry", "repository": repo}
+
+    async def check(self, server: Server) -> None:
+        """Refuse (nothing changed) when the server's pod or the agent on its node cannot be found."""
+        namespace, pod = self.locator.pod_of(server)
+        try:
+            node = await self.locator.node_of(namespace, pod)
+            await self.locator.agent_url(node)
+        except AgentError as e:
+            raise CheckpointRefused(f"{server.key}: {e}") from e
+
+    async def checkpoint(self, server: Server) -> CheckpointInfo:
+        """Have the agent on the pod's node checkpoint, ship and verify; record the result.
+
+        Raises CheckpointError (CheckpointRefused when nothing was attempted); the pod
+        keeps running either way.
+        """
+        namespace, pod = self.locator.pod_of(server)
+        try:
+            node = await self.locator.node_of(namespace, pod)
+            base = await self.locator.agent_url(node)
+        except AgentError as e:
+            raise CheckpointRefused(f"{server.key}: {e}") from e
+        body = {
+            "namespace": namespace,
+            "pod": pod,
+            "container": self.locator.container,
+            "timeout": self.timeout,
+            "target": self.target_for(server),
+        }
+        self.log.info("%s: checkpointing pod %s/%s on node %s", server.key, namespace, pod, node)
+        try:
+            result = await self.locator.call(
+                base,
+                "POST",
+                "/v1/checkpoint",
+                body,
+                timeout=self.timeout + self.locator.agent_timeout,
+            )
+        except AgentError as e:
+            raise CheckpointError(
+                f"{server.key}: checkpoint failed, the server keeps running: {e}"
+            ) from e
+        if result.get("status") != "verified":
+            raise CheckpointError(
+                f"{server.key}: the agent returned an unverified checkpoint: {result}"
+            )
+        info = CheckpointInfo(
+            id=result["id"],
+            user=server.user,
+            server_name=server.name,
+            created=time.time(),
+            status="verified",
+            image_bytes=int(result.get("image_bytes") or 0),
+            gpu_bytes=int(result.get("gpu_bytes") or 0),
+            location=body["target"].get("repository") or body["target"].get("path", ""),
+            extra={
+                "digest": result.get("digest", ""),
+                "node": result.get("node", node),
+                "namespace": namespace,
+                "pod": pod,
+                "container": self.locator.container,
+                "target": self.target,
+            },
+        )
+        try:
+            await self._record(info)
+        except AgentError as e:
+            await self._unpark(base, namespace, pod)
+            raise CheckpointError(
+                f"{server.key}: checkpoint {info.id} is verified but could not be recorded ({e}); "
+                f"the server keeps running. Fix: {e.fix}"
+            ) from e
+        self.log.info(
+            "%s: checkpoint %s verified (%d bytes)", server.key, info.id, info.image_bytes
+        )
+        return info
+
+    async def _unpark(self, base: str, namespace: str, pod: str) -> None:
+        """Bring GPU memory back after a checkpoint that will not be used."""
+        try:
+            await self.locator.call(
+                base, "POST", "/v1/unpark", {"namespace": namespace, "pod": pod}
+            )
+        except AgentError as e:
+            if e.code != 409:  # 409: no CUDA on that node, nothing was parked
+                self.log.warning("unpark of %s/%s failed: %s", namespace, pod, e)
+
+    async def restore(self, info: CheckpointInfo, namespace: str, pod: str) -> int:
+        """Ask the agent on ``pod``'s node to restore ``info`` into it; return the restored PID."""
+        node = await self.locator.node_of(namespace, pod)
+        base = await self.locator.agent_url(node)
+        result = await self.locator.call(
+            base,
+            "POST",
+            "/v1/restore",
+            {
+                "namespace": namespace,
+                "pod": pod,
+                "container": self.locator.container,
+                "image": info.id,
+            },
+        )
+        return int(result["pid"])
+
+    # -- records ---------------------------------------------------------------------------
+
+    def _configmap(self, info: CheckpointInfo) -> dict:
+        return {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "name": f"gpusnap-{_hash(info.key, 10)}-{int(info.created * 1000)}",
+                "labels": {
+                    MANAGED_BY: "jupyterhub-gpusnap",
+                    SERVER_LABEL: _hash(info.key),
+                    ID_LABEL: _hash(info.id),
+                },
+                "annotations": {"gpusnap.jupyter.org/server-name": info.key},
+            },
+            "data": {"checkpoint.json": json.dumps(info.as_dict())},
+        }
+
+    async def _record(self, info: CheckpointInfo) -> None:
+        await self.api.request(
+            "POST", f"/api/v1/namespaces/{self.namespace}/configmaps", body=self._configmap(info)
+        )
+
+    async def _records(self, selector: str) -> list[tuple[str, CheckpointInfo]]:
+        result = await self.api.request(
+            "GET",
+            f"/api/v1/namespaces/{self.namespace}/configmaps",
+            query={"labelSelector": selector},
+        )
+        out = []
+        for cm in result.get("items") or []:
+            try:
+                data = json.loads((cm.get("data") or {})["checkpoint.json"])
+                data.pop("server", None)
+                out.append((cm["metadata"]["name"], CheckpointInfo(**data)))
+            except (KeyError, TypeError, ValueError) as e:
+                self.log.warning(
+                    "ignoring malformed checkpoint record %s: %s", cm["metadata"].get("name"), e
+                )
+        out.sort(key=lambda item: item[1].created, reverse=True)
+        return out
+
+    async def latest(self, user: str, server_name: str) -> CheckpointInfo | None:
+        key = f"{user}/{server_name}"
+        records = await self._records(
+            f"{MANAGED_BY}=jupyterhub-gpusnap,{SERVER_LABEL}={_hash(key)}"
+        )
+        verified = [info for _, info in records if info.status == "verified" and info.key == key]
+        return verified[0] if verified else None
+
+    async def list(self, user: str | None = None) -> list[CheckpointInfo]:
+        records = await self._records(f"{MANAGED_BY}=jupyterhub-gpusnap")
+        return [info for _, info in records if user is None or info.user == user]
+
+    async def delete(self, checkpoint_id: str) -> None:
+        records = await self._records(
+            f"{MANAGED_BY}=jupyterhub-gpusnap,{ID_LABEL}={_hash(checkpoint_id)}"
+        )
+        for name, info in records:
+            if info.id != checkpoint_id:
+                continue
+            if (
+                self.delete_images
+                and info.extra.get("target", "registry") == "registry"
+                and "@" in info.id
+            ):
+                ref = oci.ImageRef.parse(info.id)
+                client = oci.RegistryClient(
+                    ref.registry,
+                    scheme=self.registry_scheme,
+                    docker_config_path=self.docker_config_path,
+                    parent=self,
+                )
+                try:
+                    await client.delete_manifest(ref.name, ref.digest)
+                except oci.RegistryError as e:
+                    self.log.warning("%s: image %s stays in the registry: %s", info.key, info.id, e)
+            await self.api.request(
+                "DELETE", f"/api/v1/namespaces/{self.namespace}/configmaps/{name}"
+            )
+            self.log.info("%s: checkpoint %s deleted", info.key, info.id)

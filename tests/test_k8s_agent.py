@@ -1,0 +1,495 @@
+"""The node agent, the kubernetes backend and the agent signal against the wire-level fake cluster.
+
+The API server and kubelet are fakes (real HTTP, exact paths and payloads, schema-checked);
+the agent, CRIU, the registry (Debian's docker-registry) and the workload processes are real.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+from fake_kube import AGENT_SECRET, NODE, Cluster, Workload, free_port, validate
+from registry import Registry
+from tornado.httpclient import AsyncHTTPClient
+
+from jupyterhub_gpusnap.agent.pods import CpuMeter, parse_cgroup, parse_cpu_stat
+from jupyterhub_gpusnap.checkpoint import CheckpointError, CheckpointRefused
+from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
+from jupyterhub_gpusnap.model import Server
+from jupyterhub_gpusnap.signals.agent import AgentSignal
+
+pytestmark = pytest.mark.k8s
+
+UID = "8f3c2a1e-5b7d-4c9e-a1f2-3d4e5f6a7b8c"
+CID = "4b825dc642cb6eb9a060e54bf8d69288fbee4904" + "0" * 24
+
+
+@pytest.fixture
+async def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    await c.start()
+    yield c
+    await c.stop()
+
+
+@pytest.fixture
+async def registry(tmp_path):
+    r = await Registry(tmp_path / "registry").start()
+    yield r
+    r.stop()
+
+
+async def call(
+    cluster: Cluster, method: str, path: str, body: dict | None = None, token: str = AGENT_SECRET
+):
+    r = await AsyncHTTPClient().fetch(
+        cluster.agent_url + path,
+        method=method,
+        raise_error=False,
+        headers={"Authorization": f"Bearer {token}"} if token else {},
+        body=json.dumps(body) if body is not None else None,
+    )
+    return r.code, json.loads(r.body)
+
+
+# -- pure parts ---------------------------------------------------------------------------
+
+
+def test_parse_cgroup_finds_pod_in_every_driver_layout():
+    systemd = f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{UID.replace('-', '_')}.slice/cri-containerd-{CID}.scope\n"
+    place = parse_cgroup(systemd)
+    assert place.pod_uid == UID
+    assert place.container_id == CID
+    assert place.pod_cgroup.endswith(f"kubepods-burstable-pod{UID.replace('-', '_')}.slice")
+
+    guaranteed_cgroupfs = f"0::/kubepods/pod{UID}/{CID}\n"
+    place = parse_cgroup(guaranteed_cgroupfs)
+    assert (place.pod_uid, place.pod_cgroup, place.container_id) == (
+        UID,
+        f"/kubepods/pod{UID}",
+        CID,
+    )
+
+    crio = f"0::/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{UID.replace('-', '_')}.slice/crio-{CID}.scope\n"
+    assert parse_cgroup(crio).container_id == CID
+
+    v1 = f"12:memory:/kubepods/burstable/pod{UID}/{CID}\n11:cpu,cpuacct:/kubepods/burstable/pod{UID}/{CID}\n"
+    assert parse_cgroup(v1).pod_uid == UID
+
+    assert parse_cgroup("0::/system.slice/containerd.service\n") is None
+    assert parse_cgroup("0::/user.slice/user-1000.slice/session-3.scope\n") is None
+
+
+def test_cpu_stat_and_meter_give_percent_of_one_core():
+    assert parse_cpu_stat("usage_usec 123456\nuser_usec 100000\nsystem_usec 23456\n") == 123456
+    with pytest.raises(ValueError, match="cgroup v2"):
+        parse_cpu_stat("nr_periods 0\n")
+    meter = CpuMeter()
+    assert meter.update("pod", 1_000_000, now=100.0) is None
+    assert meter.update("pod", 1_500_000, now=102.0) == pytest.approx(25.0)
+    assert meter.update("pod", 3_500_000, now=103.0) == pytest.approx(200.0)  # two cores busy
+    assert meter.update("pod", 10, now=104.0) is None  # counter reset: a new cgroup
+    meter.forget(set())
+    assert meter.update("pod", 20, now=105.0) is None
+
+
+def test_fake_kube_payloads_are_schema_checked():
+    with pytest.raises(jsonschema.ValidationError):
+        validate(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "x"},
+                "spec": {"containers": [{"name": "c", "imagePullPolicy": "Sometimes", "bogus": 1}]},
+            }
+        )
+    with pytest.raises(jsonschema.ValidationError):
+        validate({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": "403"})
+
+
+# -- the agent's HTTP API ----------------------------------------------------------------
+
+
+async def test_signals_map_host_pids_to_pods_and_read_cgroup_cpu(cluster):
+    pod = cluster.add_user_pod("alice")
+    uid = pod["metadata"]["uid"]
+    cid = pod["status"]["containerStatuses"][0]["containerID"].split("://")[1]
+    cluster.tree.add_pod_process(4242, uid, cid, usage_usec=7_000_000)
+    cluster.tree.add_pod_process(4250, uid, cid)
+    other = cluster.kube.add_pod("jhub", "jupyter-bob", "gpu-node-2")
+    ticks = itertools.count(1000.0, 1.0)
+    cluster.agent.cpu.clock = lambda: next(ticks)
+
+    code, body = await call(
+        cluster, "GET", "/v1/signals?pod=jhub/jupyter-alice&pod=jhub/jupyter-bob"
+    )
+    assert code == 200
+    alice = body["pods"]["jhub/jupyter-alice"]
+    assert alice == {
+        "cpu_percent": 0.0,
+        "gpu_percent": None,
+        "gpu_memory_bytes": None,
+        "gpu_count": None,
+    }
+    assert "not on node gpu-node-1" in body["pods"]["jhub/jupyter-bob"]["error"]
+    assert other["spec"]["nodeName"] == "gpu-node-2"
+
+    cluster.tree.set_cpu(uid, 7_500_000)  # 0.5 s of CPU over the next one-second tick
+    code, body = await call(cluster, "GET", "/v1/signals?pod=jhub/jupyter-alice")
+    assert body["pods"]["jhub/jupyter-alice"]["cpu_percent"] == pytest.approx(50.0)
+    assert ("GET", f"/api/v1/pods?fieldSelector=spec.nodeName%3D{NODE}") in cluster.kube.requests
+
+    mapped = cluster.agent.mapper.scan()
+    assert mapped[uid].pids == [4242, 4250]
+    assert mapped[uid].containers == {cid: [4242, 4250]}
+    assert 1 not in mapped[uid].pids and 812 not in mapped[uid].pids
+
+
+async def test_api_errors_carry_a_fix(cluster):
+    code, body = await call(cluster, "GET", "/v1/signals?pod=jhub/jupyter-alice", token="")
+    assert code == 401 and body["fix"]
+    code, body = await call(cluster, "GET", "/healthz", token="wrong")
+    assert code == 401 and "api_token_file" in body["fix"]
+    code, body = await call(cluster, "GET", "/v1/signals?pod=../etc")
+    assert code == 400 and "NAMESPACE/POD" in body["fix"]
+    code, body = await call(cluster, "POST", "/v1/checkpoint", {"namespace": "jhub"})
+    assert code == 400 and body["error"] == "missing field 'pod'"
+    code, body = await call(
+        cluster, "POST", "/v1/park", {"namespace": "jhub", "pod": "jupyter-alice"}
+    )
+    assert code == 409 and "570" in body["fix"]
+
+
+async def test_healthz_and_doctor_report_node_facts(cluster):
+    code, body = await call(cluster, "GET", "/healthz")
+    assert code == 200
+    assert body == {"ok": True, "node": NODE, "criu": "4.2.1", "driver": None}
+    code, body = await call(cluster, "GET", "/v1/doctor")
+    checks = {c["name"]: c for c in body["checks"]}
+    assert checks["criu"]["ok"] and checks["criu"]["detail"] == "criu 4.2.1"
+    assert (
+        checks["cgroup-v2"]["ok"] and checks["checkpoint-dir"]["ok"] and checks["api-server"]["ok"]
+    )
+    assert not checks["nvidia-driver"]["ok"] and "NVIDIA driver" in checks["nvidia-driver"]["fix"]
+    assert not checks["host-pids"]["ok"] and "hostPID" in checks["host-pids"]["fix"]
+
+
+async def test_tokenreview_auth_admits_only_allowed_service_accounts(tmp_path):
+    cluster = Cluster(tmp_path)
+    await cluster.start(
+        AgentApp__auth="tokenreview", AgentApp__allowed_users=["system:serviceaccount:jhub:hub"]
+    )
+    try:
+        hub_token = cluster.hub_token_file.read_text()
+        code, body = await call(cluster, "GET", "/healthz", token=hub_token)
+        assert code == 200 and body["ok"]
+        other = cluster.kube.add_token("system:serviceaccount:default:default")
+        code, body = await call(cluster, "GET", "/healthz", token=other)
+        assert code == 403 and "allowed_users" in body["fix"]
+        code, body = await call(cluster, "GET", "/healthz", token="sa-forged")
+        assert code == 401
+        reviews = [
+            r
+            for r in cluster.kube.requests
+            if r[1].startswith("/apis/authentication.k8s.io/v1/tokenreviews")
+        ]
+        assert len(reviews) == 3
+        await call(cluster, "GET", "/healthz", token=hub_token)  # cached: no new review
+        assert len([r for r in cluster.kube.requests if "tokenreviews" in r[1]]) == 3
+
+        # the hub side sends its own ServiceAccount token when it has no shared secret
+        cluster.add_user_pod("alice")
+        source = AgentSignal(config=cluster.hub_config(AgentLocator__agent_token_file=""))
+        sample = await source.sample(Server(user="alice"), now=1.0)
+        assert "no processes of pod jhub/jupyter-alice" in sample.errors["agent"]
+
+        cluster.kube.forbid("tokenreviews")
+        cluster.agent._reviews.clear()
+        code, body = await call(cluster, "GET", "/healthz", token=hub_token)
+        assert code == 403 and "ClusterRole" in body["fix"]
+    finally:
+        await cluster.stop()
+
+
+# -- checkpoints through the hub-side backend --------------------------------------------
+
+
+def alice(name: str = "") -> Server:
+    return Server(user="alice", name=name, state={"pod_name": "jupyter-alice", "namespace": "jhub"})
+
+
+@pytest.mark.criu
+async def test_backend_checkpoint_ships_verified_image_and_records_it(cluster, registry, tmp_path):
+    work = Workload(tmp_path).start()
+    await work.wait_lines(2)
+    cluster.add_user_pod("alice", work)
+    backend = KubernetesBackend(
+        config=cluster.hub_config(
+            KubernetesBackend__repository_template=f"{registry.host}/gpusnap/{{username}}",
+            KubernetesBackend__registry_scheme="http",
+            KubernetesBackend__timeout=60,
+        )
+    )
+
+    info = await backend.checkpoint(alice())
+
+    assert info.status == "verified" and info.key == "alice/"
+    assert info.id.startswith(f"{registry.host}/gpusnap/alice@sha256:")
+    assert info.extra["digest"] == info.id.split("@")[1] and info.extra["node"] == NODE
+    assert info.image_bytes > 1 << 20
+    # the container keeps running and nothing was deleted: the Hub stops it afterwards
+    assert work.alive() and cluster.kube.deleted == []
+    assert cluster.kube.checkpointed == ["jhub/jupyter-alice/notebook"]
+    # the node's archive is gone once the image is verified
+    assert list(cluster.kube.checkpoints.iterdir()) == []
+    # the manifest carries the runtimes' and our annotations
+    r = await AsyncHTTPClient().fetch(
+        f"http://{registry.host}/v2/gpusnap/alice/manifests/{info.extra['digest']}",
+        headers={"Accept": "application/vnd.oci.image.manifest.v1+json"},
+    )
+    ann = json.loads(r.body)["annotations"]
+    assert ann["io.kubernetes.cri-o.annotations.checkpoint.name"] == "notebook"
+    assert ann["org.criu.checkpoint.container.name"] == "notebook"
+    assert ann["org.jupyterhub.gpusnap.server"] == "alice/"
+    assert ann["org.jupyterhub.gpusnap.gpu-bytes"] == "0"
+
+    assert (await backend.latest("alice", "")).id == info.id
+    assert await backend.latest("alice", "other") is None
+    assert [i.id for i in await backend.list("alice")] == [info.id]
+    assert await backend.list("bob") == []
+    (cm,) = cluster.kube.configmaps.values()
+    assert cm["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "jupyterhub-gpusnap"
+
+    # the Hub deletes the pod; the spawner's placeholder pod lands on the node; the agent restores
+    secret = work.lines()[0][0]
+    work.stop()
+    cluster.kube.pods.pop(("jhub", "jupyter-alice"))
+    cluster.add_user_pod("alice")
+    pid = await backend.restore(info, "jhub", "jupyter-alice")
+    try:
+        assert pid == work.pid
+        seen = len(work.lines())
+        after = (await work.wait_lines(seen + 1))[seen:]
+        assert after[0][0] == secret and after[0][1] > 1
+    finally:
+        os.kill(pid, signal.SIGKILL)
+
+    await backend.delete(info.id)
+    assert cluster.kube.configmaps == {} and await backend.latest("alice", "") is None
+    r = await AsyncHTTPClient().fetch(
+        f"http://{registry.host}/v2/gpusnap/alice/manifests/{info.extra['digest']}",
+        raise_error=False,
+    )
+    assert r.code == 404
+
+
+@pytest.mark.criu
+async def test_checkpoint_to_pvc_through_the_apiserver_proxy(tmp_path):
+    cluster = Cluster(tmp_path)
+    await cluster.start(KubeletClient__kubelet_route="apiserver-proxy")
+    work = Workload(tmp_path).start()
+    try:
+        await work.wait_lines(2)
+        cluster.add_user_pod("alice", work)
+        snapshots = tmp_path / "snapshots"
+        snapshots.mkdir()
+        # an archive a kubelet finished after an earlier, timed-out call; and another pod's
+        stale = (
+            cluster.kube.checkpoints
+            / "checkpoint-jupyter-alice_jhub-notebook-2026-11-01T10:00:00Z.tar"
+        )
+        stale.write_bytes(b"old")
+        bobs = (
+            cluster.kube.checkpoints
+            / "checkpoint-jupyter-bob_jhub-notebook-2026-11-01T10:00:00Z.tar"
+        )
+        bobs.write_bytes(b"bob")
+        backend = KubernetesBackend(
+            config=cluster.hub_config(
+                KubernetesBackend__target="pvc", KubernetesBackend__pvc_path=str(snapshots)
+            )
+        )
+        info = await backend.checkpoint(alice())
+        archive = Path(info.id)
+        assert archive.parent == snapshots and archive.suffix == ".tar"
+        record = json.loads(archive.with_suffix(".json").read_text())
+        assert record["digest"] == info.extra["digest"] and record["server"] == "alice/"
+        from fake_kube import tar_names
+
+        names = tar_names(archive)
+        for entry in (
+            "config.dump",
+            "spec.dump",
+            "checkpoint/inventory.img",
+            "rootfs-diff.tar",
+            "dump.log",
+            "stats-dump",
+        ):
+            assert entry in names
+        assert any(
+            path.startswith(
+                f"/api/v1/nodes/{NODE}/proxy/checkpoint/jhub/jupyter-alice/notebook?timeout="
+            )
+            for _, path in cluster.kube.requests
+        )
+        assert work.alive() and cluster.kube.deleted == []
+        assert list(cluster.kube.checkpoints.iterdir()) == [bobs]
+    finally:
+        work.stop()
+        await cluster.stop()
+
+
+FAILURES = {
+    "gate-off": ({"kubelet_mode": "gate-off"}, {}, "enable the ContainerCheckpoint feature gate"),
+    "runtime-500": ({"kubelet_mode": "error"}, {}, "criu check"),
+    "hang": ({"kubelet_mode": "hang"}, {"KubernetesBackend__timeout": 1}, "no answer within 1.5s"),
+    "rbac-direct": ({"forbidden": {"nodes/checkpoint"}}, {}, "'create' on 'nodes/checkpoint'"),
+    "registry-readonly": ({}, {"registry": "readonly"}, "does not accept pushes"),
+    "registry-auth": ({}, {"registry": "basic"}, "give the agent push credentials"),
+}
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("case", list(FAILURES))
+async def test_failed_checkpoint_leaves_the_pod_running_with_a_clear_error(cluster, tmp_path, case):
+    kube_setup, backend_setup, message = FAILURES[case]
+    backend_setup = dict(backend_setup)
+    registry = await Registry(tmp_path / "registry", backend_setup.pop("registry", "open")).start()
+    work = Workload(tmp_path).start()
+    try:
+        await work.wait_lines(2)
+        cluster.add_user_pod("alice", work)
+        for key, value in kube_setup.items():
+            setattr(cluster.kube, key, value)
+        backend = KubernetesBackend(
+            config=cluster.hub_config(
+                KubernetesBackend__repository_template=f"{registry.host}/gpusnap/{{username}}",
+                **backend_setup,
+            )
+        )
+        with pytest.raises(CheckpointError) as err:
+            await backend.checkpoint(alice())
+        assert "alice/: checkpoint failed, the server keeps running" in str(err.value)
+        assert message in str(err.value)
+        assert work.alive() and cluster.kube.deleted == []
+        assert cluster.kube.configmaps == {}
+        assert list(cluster.kube.checkpoints.iterdir()) == []  # no archive left on the node
+        assert await backend.latest("alice", "") is None
+        lines = len(work.lines())
+        await work.wait_lines(lines + 1)  # still running, still writing
+    finally:
+        work.stop()
+        registry.stop()
+
+
+@pytest.mark.criu
+async def test_rbac_denied_node_proxy_names_the_permission(tmp_path):
+    cluster = Cluster(tmp_path)
+    await cluster.start(KubeletClient__kubelet_route="apiserver-proxy")
+    work = Workload(tmp_path).start()
+    try:
+        cluster.add_user_pod("alice", work)
+        cluster.kube.forbid("nodes/proxy")
+        backend = KubernetesBackend(
+            config=cluster.hub_config(
+                KubernetesBackend__target="pvc", KubernetesBackend__pvc_path=str(tmp_path)
+            )
+        )
+        with pytest.raises(CheckpointError) as err:
+            await backend.checkpoint(alice())
+        text = str(err.value)
+        assert (
+            'cannot create resource "nodes/proxy"' in text and "'create' on 'nodes/proxy'" in text
+        )
+        assert work.alive() and cluster.kube.deleted == [] and cluster.kube.checkpointed == []
+    finally:
+        work.stop()
+        await cluster.stop()
+
+
+async def test_backend_refuses_when_no_agent_runs_on_the_node(cluster):
+    cluster.kube.pods.pop(("gpusnap", "gpusnap-agent-x7k2p"))
+    cluster.add_user_pod("alice")
+    backend = KubernetesBackend(config=cluster.hub_config())
+    with pytest.raises(CheckpointRefused, match="no gpusnap agent pod runs on node gpu-node-1"):
+        await backend.check(alice())
+    with pytest.raises(CheckpointRefused, match="deploy the agent DaemonSet"):
+        await backend.checkpoint(alice())
+    with pytest.raises(CheckpointRefused, match='pods \\\\?"jupyter-carol\\\\?" not found'):
+        await backend.checkpoint(Server(user="carol"))
+    assert cluster.kube.checkpointed == []
+
+
+# -- the agent signal --------------------------------------------------------------------
+
+
+async def test_agent_signal_reads_cpu_of_the_servers_pod(cluster):
+    pod = cluster.add_user_pod("alice", name="gpu")
+    uid = pod["metadata"]["uid"]
+    cid = pod["status"]["containerStatuses"][0]["containerID"].split("://")[1]
+    cluster.tree.add_pod_process(5151, uid, cid, usage_usec=1_000_000)
+    ticks = itertools.count(50.0, 2.0)
+    cluster.agent.cpu.clock = lambda: next(ticks)
+    source = AgentSignal(config=cluster.hub_config())
+
+    server = Server(user="alice", name="gpu")  # no state: the pod name comes from the template
+    sample = await source.sample(server, now=1.0)
+    assert sample.errors == {} and sample.cpu_percent == 0.0 and sample.gpu_percent is None
+    cluster.tree.set_cpu(uid, 2_000_000)
+    sample = await source.sample(server, now=2.0)
+    assert sample.cpu_percent == pytest.approx(50.0) and sample.time == 2.0
+    node_reads = [
+        r
+        for r in cluster.kube.requests
+        if r[1] == "/api/v1/namespaces/jhub/pods/jupyter-alice--gpu"
+    ]
+    assert len(node_reads) == 1  # placement cached
+
+    sample = await source.sample(Server(user="zoe"), now=3.0)
+    assert sample.cpu_percent is None and "jupyter-zoe" in sample.errors["agent"]
+
+
+async def test_console_entry_point_serves_the_api(cluster, tmp_path):
+    """``jupyterhub-gpusnap-agent --config=FILE --port=N``: a real process; the command line wins."""
+    port = free_port()
+    config = tmp_path / "agent_config.py"
+    config.write_text(
+        "c.AgentApp.port = 1\n"
+        f"c.AgentApp.ip = '127.0.0.1'\n"
+        f"c.AgentApp.api_token_file = {str(cluster.secret_file)!r}\n"
+        f"c.KubeAPI.api_url = {cluster.kube.api_url!r}\n"
+        f"c.KubeAPI.token_file = {str(cluster.agent_token_file)!r}\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        "from jupyterhub_gpusnap.agent.app import main; main()",
+        f"--config={config}",
+        f"--port={port}",
+        f"--node={NODE}",
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        for _ in range(200):
+            try:
+                r = await AsyncHTTPClient().fetch(
+                    f"http://127.0.0.1:{port}/healthz",
+                    headers={"Authorization": f"Bearer {AGENT_SECRET}"},
+                )
+                break
+            except OSError:
+                assert proc.returncode is None, (await proc.stderr.read()).decode()
+                await asyncio.sleep(0.05)
+        assert json.loads(r.body) == {"ok": True, "node": NODE, "criu": "4.2.1", "driver": None}
+    finally:
+        proc.terminate()
+        await proc.wait()
