@@ -319,7 +319,7 @@ class Watcher(LoggingConfigurable):
             return
         metrics.ACTION_SECONDS.labels(action=action).observe(time.perf_counter() - t0)
         metrics.ACTIONS.labels(action=action, result="ok").inc()
-        self.store.record_event(server.key, action, {"bytes": getattr(result, "bytes", 0), "seconds": time.perf_counter() - t0})
+        self.store.record_event(server.key, action, {"bytes": result.bytes_moved, "seconds": round(result.seconds, 3), "pids": result.pids})
 
     def _set_state(self, status: ServerStatus, state: State, reason: str, event: tuple[str, dict] | None = None) -> None:
         now = self.clock()

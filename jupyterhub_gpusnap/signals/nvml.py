@@ -1,0 +1,288 @@
+"""GPU signal from NVML: how hard a server's processes use the GPU, and how much memory they hold.
+
+A server is mapped to GPU work by its process tree (the spawner's pid and all its
+descendants). Utilisation is per process (``nvmlDeviceGetProcessUtilization``), so a
+server sharing a GPU with another is judged by its own work; memory held is reported
+but is not activity (an idle kernel can hold gigabytes at 0 %).
+
+On a machine without NVML (no NVIDIA driver) the source says nothing about the GPU
+and raises no error: CPU-only hubs keep working.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+from traitlets import Any as AnyTrait
+from traitlets import Bool
+
+from ..model import Sample, Server
+from .base import SignalSource
+
+# NVML return codes used below (nvml.h)
+_NVML_SUCCESS = 0
+_NVML_ERROR_NOT_SUPPORTED = 3
+_NVML_ERROR_NOT_FOUND = 6
+
+
+def tree_pids(root_pid: int | None) -> list[int]:
+    """The pid of ``root_pid`` and of all its descendants; [] when it is gone.
+
+    A notebook server's GPU work happens in its kernels (children), never in the
+    server process itself, so every reading and every checkpoint covers the tree.
+    """
+    if not root_pid:
+        return []
+    try:
+        root = psutil.Process(root_pid)
+        children = root.children(recursive=True)
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return []
+    return [root_pid] + [c.pid for c in children]
+
+
+@dataclass
+class _DeviceSamples:
+    """Per-process utilisation samples NVML handed us for one device, newest last."""
+
+    last_seen: int = 0  # NVML timestamp (µs) of the newest sample read so far
+    samples: deque = field(default_factory=lambda: deque(maxlen=4096))  # (timestamp, pid, smUtil)
+    supported: bool = True
+
+
+class Nvml:
+    """NVML opened once for the whole process, with the few queries the project needs.
+
+    ``module`` is ``pynvml`` (from nvidia-ml-py) unless another object with the same
+    function names is given. Every method is blocking: call it from a thread.
+    Nothing here raises when NVML is missing: :attr:`available` is False and
+    :attr:`reason` says why.
+    """
+
+    def __init__(self, module: Any = None):
+        self._module = module
+        self._lock = threading.Lock()
+        self._opened = False
+        self.available = False
+        self.reason = ""
+        self._handles: list[Any] = []
+        self._devices: dict[int, _DeviceSamples] = {}
+
+    def open(self) -> bool:
+        """Initialise NVML once; True when it is usable."""
+        with self._lock:
+            if self._opened:
+                return self.available
+            self._opened = True
+            try:
+                if self._module is None:
+                    import pynvml
+
+                    self._module = pynvml
+                nv = self._module
+                nv.nvmlInit()
+                count = nv.nvmlDeviceGetCount()
+                self._handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+                self._devices = {i: _DeviceSamples() for i in range(count)}
+                self.available = True
+            except Exception as e:  # ImportError, NVMLError_LibraryNotFound, driver mismatch…
+                self.reason = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+                self.available = False
+            return self.available
+
+    def close(self) -> None:
+        with self._lock:
+            if self._opened and self.available:
+                try:
+                    self._module.nvmlShutdown()
+                except Exception:
+                    pass
+            self._opened = False
+            self.available = False
+
+    @property
+    def device_count(self) -> int:
+        return len(self._handles)
+
+    def driver_version(self) -> str | None:
+        if not self.open():
+            return None
+        v = self._module.nvmlSystemGetDriverVersion()
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+    def device_names(self) -> list[str]:
+        if not self.open():
+            return []
+        names = []
+        for h in self._handles:
+            n = self._module.nvmlDeviceGetName(h)
+            names.append(n.decode() if isinstance(n, bytes) else str(n))
+        return names
+
+    def device_memory_total(self) -> list[int]:
+        if not self.open():
+            return []
+        return [int(self._module.nvmlDeviceGetMemoryInfo(h).total) for h in self._handles]
+
+    def process_memory(self, pids: list[int]) -> dict[int, dict[int, int]]:
+        """GPU memory held by each of ``pids``, per device index: ``{device: {pid: bytes}}``.
+
+        Only devices where at least one of the pids has a context appear. A pid whose
+        usage NVML cannot tell (``usedGpuMemory`` None) counts as 0 bytes but its
+        device still appears.
+        """
+        if not self.open():
+            return {}
+        wanted = set(pids)
+        out: dict[int, dict[int, int]] = {}
+        for i, h in enumerate(self._handles):
+            try:
+                procs = self._module.nvmlDeviceGetComputeRunningProcesses(h)
+            except Exception:
+                continue
+            for p in procs:
+                if p.pid in wanted:
+                    used = p.usedGpuMemory or 0
+                    out.setdefault(i, {})[p.pid] = out.get(i, {}).get(p.pid, 0) + int(used)
+        return out
+
+    def _pull_samples(self, index: int) -> None:
+        """Append the device's per-process samples newer than the last ones read."""
+        dev = self._devices[index]
+        if not dev.supported:
+            return
+        nv = self._module
+        try:
+            samples = nv.nvmlDeviceGetProcessUtilization(self._handles[index], dev.last_seen)
+        except Exception as e:
+            code = getattr(e, "value", None)
+            if code == _NVML_ERROR_NOT_SUPPORTED:
+                dev.supported = False
+            # NOT_FOUND (or a bare SUCCESS with no samples): nothing new since last_seen
+            return
+        for s in samples:
+            dev.samples.append((int(s.timeStamp), int(s.pid), int(s.smUtil)))
+            dev.last_seen = max(dev.last_seen, int(s.timeStamp))
+
+    def process_utilization(
+        self, index: int, pids: list[int], since: int
+    ) -> tuple[int | None, int]:
+        """Max SM utilisation of ``pids`` on device ``index`` in samples newer than ``since``.
+
+        Returns ``(percent or None when no sample of these pids exists, newest timestamp)``;
+        pass the returned timestamp back as ``since`` next time. Samples are kept per
+        device and shared, so many servers on one GPU each see every sample.
+        """
+        with self._lock:
+            self._pull_samples(index)
+            dev = self._devices[index]
+            wanted = set(pids)
+            best: int | None = None
+            for ts, pid, sm in dev.samples:
+                if ts > since and pid in wanted:
+                    best = sm if best is None else max(best, sm)
+            return best, dev.last_seen
+
+    def utilization_supported(self, index: int) -> bool:
+        return self._devices[index].supported
+
+    def device_utilization(self, index: int) -> int:
+        """Whole-device utilisation percent (all processes of all users)."""
+        return int(self._module.nvmlDeviceGetUtilizationRates(self._handles[index]).gpu)
+
+
+class NvmlSignal(SignalSource):
+    """GPU activity of a server's process tree, read from NVML on this host.
+
+    Fills ``gpu_percent`` (max per-process SM utilisation since the previous reading),
+    ``gpu_memory_bytes`` (memory the tree holds) and ``gpu_count`` (devices it uses).
+    Without NVML the three fields stay None and no error is recorded.
+    """
+
+    name = "gpu"
+
+    device_fallback = Bool(
+        True,
+        help="""When NVML has no per-process utilisation for a device where the server
+        holds GPU memory (some GPUs and drivers do not support it), use the whole device's
+        utilisation (nvmlDeviceGetUtilizationRates) instead. Right on a GPU dedicated to one
+        server; on a GPU shared by several servers it attributes other users' work to this
+        server, which can keep an idle server from being suspended. Set False on shared GPUs
+        to report the GPU as unknown instead.""",
+    ).tag(config=True)
+
+    nvml = AnyTrait(
+        None,
+        help="An Nvml instance to share with other parts; made on setup() when None.",
+    )
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._since: dict[tuple[str, int], int] = {}
+        self._told_absent = False
+
+    async def setup(self) -> None:
+        if self.nvml is None:
+            self.nvml = Nvml()
+        ok = await asyncio.to_thread(self.nvml.open)
+        if not ok:
+            self._log_absent()
+        else:
+            self.log.info("GPU signal: NVML on %d device(s)", self.nvml.device_count)
+
+    async def close(self) -> None:
+        if self.nvml is not None:
+            await asyncio.to_thread(self.nvml.close)
+
+    def _log_absent(self) -> None:
+        if not self._told_absent:
+            self._told_absent = True
+            self.log.info("no GPU signal: NVML not available (%s)", self.nvml.reason)
+
+    async def read(self, server: Server, now: float) -> Sample:
+        if self.nvml is None:
+            await self.setup()
+        if not self.nvml.available:
+            self._log_absent()
+            return Sample(time=now)
+        if server.pid is None:
+            return Sample(
+                time=now,
+                errors={
+                    self.name: "no pid in the spawner state (the service needs admin:server_state)"
+                },
+            )
+        return await asyncio.to_thread(self._read_sync, server, now)
+
+    def _read_sync(self, server: Server, now: float) -> Sample:
+        pids = tree_pids(server.pid)
+        if not pids:
+            return Sample(time=now, errors={self.name: f"process {server.pid} is gone"})
+        memory = self.nvml.process_memory(pids)
+        percents: list[float] = []
+        unknown = False
+        for index in range(self.nvml.device_count):
+            since = self._since.get((server.key, index), 0)
+            util, newest = self.nvml.process_utilization(index, pids, since)
+            self._since[(server.key, index)] = newest
+            if util is not None:
+                percents.append(float(util))
+            elif index in memory:
+                if self.device_fallback:
+                    percents.append(float(self.nvml.device_utilization(index)))
+                else:
+                    unknown = True
+        held = sum(sum(per_pid.values()) for per_pid in memory.values())
+        if unknown and not percents:
+            percent = None
+        else:
+            percent = max(percents, default=0.0)
+        self.log.debug(
+            "gpu %s: %s%% SM, %d bytes on %d device(s)", server.key, percent, held, len(memory)
+        )
+        return Sample(time=now, gpu_percent=percent, gpu_memory_bytes=held, gpu_count=len(memory))
