@@ -212,6 +212,10 @@ class Watcher(LoggingConfigurable):
             self.store.delete(status.key)
             metrics.forget_server(status.key)
             self.samples.pop(status.key, None)
+            for source in self.sources:
+                forget = getattr(source, "forget", None)
+                if forget is not None and source.name == "cpu":
+                    forget(status.key)
 
     # ------------------------------------------------------------------ actions
     async def act(self, action: str, server: Server, status: ServerStatus, decision: Decision) -> None:
