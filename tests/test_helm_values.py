@@ -1,0 +1,269 @@
+"""The Helm values and Kubernetes manifests in helm-values/ are valid and consistent.
+
+- values.yaml validates against Zero to JupyterHub's values schema (shipped beside the
+  repository at ../shared/reference/z2jh-values.schema.yaml). The chart validates the
+  *merged* values (its defaults + ours), so the schema's ``required`` lists are dropped
+  here: what is checked is that every key we set exists in the chart (no typo passes
+  ``additionalProperties: false``) and has the right type.
+- every manifest validates with kubernetes_validate (strict: unknown fields fail) for a
+  recent Kubernetes version;
+- the values, the manifests and the code agree on names (agent label, port, namespaces,
+  ServiceAccounts), and the hub-side Python config in the values compiles.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from jupyterhub_gpusnap.doctor import RBAC_NEEDS, Doctor
+from jupyterhub_gpusnap.kubespawner import SnapKubeSpawner
+
+ROOT = Path(__file__).resolve().parent.parent
+HELM = ROOT / "helm-values"
+SCHEMA = ROOT.parent / "shared" / "reference" / "z2jh-values.schema.yaml"
+K8S_VERSIONS = ["1.32", "1.33"]
+MANIFESTS = sorted((HELM / "agent").glob("*.yaml"))
+
+
+def drop_required(schema):
+    """The schema without the object-level ``required`` lists the chart's defaults fill in.
+
+    ``required`` inside ``oneOf``/``anyOf`` branches (a bare ``{"required": [...]}``) stays:
+    it says which alternative a value is, not what the defaults provide.
+    """
+    if isinstance(schema, dict):
+        is_object_schema = (
+            "properties" in schema or "patternProperties" in schema or "type" in schema
+        )
+        return {
+            k: drop_required(v)
+            for k, v in schema.items()
+            if not (k == "required" and is_object_schema)
+        }
+    if isinstance(schema, list):
+        return [drop_required(v) for v in schema]
+    return schema
+
+
+@pytest.fixture(scope="module")
+def z2jh_schema() -> dict:
+    assert SCHEMA.exists(), (
+        f"Zero to JupyterHub values schema not found at {SCHEMA}: put the chart's "
+        "values.schema.yaml (jupyterhub chart 4.x) there to run this test"
+    )
+    return yaml.safe_load(SCHEMA.read_text())
+
+
+@pytest.fixture(scope="module")
+def values() -> dict:
+    return yaml.safe_load((HELM / "values.yaml").read_text())
+
+
+def docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def all_objects() -> list[dict]:
+    return [d for p in MANIFESTS for d in docs(p)]
+
+
+def test_values_validate_against_z2jh_schema(z2jh_schema, values):
+    validator = jsonschema.Draft7Validator(drop_required(z2jh_schema))
+    errors = [f"{'.'.join(map(str, e.path))}: {e.message}" for e in validator.iter_errors(values)]
+    assert errors == []
+
+
+def test_schema_check_catches_a_typo(z2jh_schema, values):
+    broken = copy.deepcopy(values)
+    broken["hub"]["netwrkPolicy"] = broken["hub"].pop("networkPolicy")
+    validator = jsonschema.Draft7Validator(drop_required(z2jh_schema))
+    assert any("netwrkPolicy" in e.message for e in validator.iter_errors(broken))
+
+
+def test_values_hub_config(values):
+    hub = values["hub"]
+    service = hub["services"]["gpusnap"]
+    assert service["command"][0] == "jupyterhub-gpusnap"
+    assert service["url"] == "http://hub:10101"
+    assert {"name": "gpusnap", "port": 10101, "targetPort": 10101} in hub["service"]["extraPorts"]
+    roles = hub["loadRoles"]
+    assert set(roles["gpusnap-service"]["scopes"]) == {
+        "list:users",
+        "read:users",
+        "read:users:activity",
+        "read:servers",
+        "admin:server_state",
+        "access:servers",
+        "delete:servers",
+        "servers",
+    }
+    assert roles["gpusnap-service"]["services"] == ["gpusnap"]
+    assert "access:services!service=gpusnap" in roles["user"]["scopes"]
+    egress = hub["networkPolicy"]["egress"][0]
+    assert egress["ports"] == [{"protocol": "TCP", "port": 9780}]
+    assert egress["to"][0]["podSelector"]["matchLabels"] == {
+        "app.kubernetes.io/name": "jupyterhub-gpusnap-agent"
+    }
+    # the Python snippets compile
+    for name, source in hub["extraConfig"].items():
+        compile(source, name, "exec")
+    for f in hub["extraFiles"].values():
+        if f["mountPath"].endswith(".py"):
+            compile(f["stringData"], f["mountPath"], "exec")
+    extra = hub["extraConfig"]["gpusnap.py"]
+    assert 'c.JupyterHub.spawner_class = "jupyterhub_gpusnap.kubespawner.SnapKubeSpawner"' in extra
+    assert "c.JupyterHub.template_paths" in extra
+    assert (ROOT / "jupyterhub_gpusnap" / "templates" / "hub").is_dir()
+
+
+def test_values_gpu_profile(values):
+    profiles = {p["slug"]: p for p in values["singleuser"]["profileList"]}
+    gpu = profiles["gpu-h100"]["kubespawner_override"]
+    assert gpu["extra_resource_limits"] == {"nvidia.com/gpu": "1"}
+    assert gpu["node_selector"]["nvidia.com/gpu.product"]
+    # every kubespawner_override key is a KubeSpawner trait
+    traits = set(SnapKubeSpawner.class_trait_names())
+    for p in profiles.values():
+        assert set(p.get("kubespawner_override", {})) <= traits
+    assert values["cull"]["enabled"] is False
+    g = values["custom"]["gpusnap"]
+    assert g["restoreMode"] in ("agent", "runtime")
+    assert values["singleuser"]["startTimeout"] > g["restoreTimeout"]
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_manifest_validates(path, version):
+    objects = docs(path)
+    assert objects, f"{path.name} holds no object"
+    for obj in objects:
+        kubernetes_validate.validate(obj, version, strict=True)
+
+
+def test_manifest_validation_catches_a_typo():
+    ds = next(o for o in all_objects() if o["kind"] == "DaemonSet")
+    broken = copy.deepcopy(ds)
+    broken["spec"]["template"]["spec"]["hostPid"] = True
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSIONS[-1], strict=True)
+
+
+def test_daemonset_is_what_the_agent_needs():
+    objs = all_objects()
+    ds = next(o for o in objs if o["kind"] == "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert labels["app.kubernetes.io/name"] == "jupyterhub-gpusnap-agent"
+    # the hub side finds agents by this label (spawner, service, doctor)
+    selector = SnapKubeSpawner.agent_label_selector.default_value
+    key, _, value = selector.partition("=")
+    assert labels[key] == value
+    assert Doctor.agent_label_selector.default_value == selector
+    assert pod["hostPID"] is True and not pod.get("hostNetwork")
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    (container,) = pod["containers"]
+    assert container["securityContext"]["privileged"] is True
+    assert (
+        container["ports"][0]["containerPort"] == SnapKubeSpawner.agent_port.default_value == 9780
+    )
+    mounts = {m["mountPath"] for m in container["volumeMounts"]}
+    host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    assert {
+        "/var/lib/kubelet/checkpoints",
+        "/proc",
+        "/sys/fs/cgroup",
+        "/run/nvidia/driver",
+    } <= host_paths
+    assert {
+        "/var/lib/kubelet/checkpoints",
+        "/host/proc",
+        "/host/sys/fs/cgroup",
+        "/run/nvidia/driver",
+    } <= mounts
+    assert pod["serviceAccountName"] == "gpusnap-agent"
+    ns = ds["metadata"]["namespace"]
+    assert (
+        ns == SnapKubeSpawner.agent_namespace.default_value
+        or ns == Doctor.agent_namespace.default_value
+    )
+    # the agent config mounted from the ConfigMap compiles
+    cm = next(o for o in objs if o["kind"] == "ConfigMap")
+    compile(cm["data"]["agent_config.py"], "agent_config.py", "exec")
+
+
+def test_agent_clusterrole_is_least_privilege():
+    role = next(
+        o
+        for o in all_objects()
+        if o["kind"] == "ClusterRole" and o["metadata"]["name"] == "gpusnap-agent"
+    )
+    rules = {
+        (g, r, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+    assert rules == {
+        ("", "nodes/checkpoint", "create"),
+        ("", "pods", "get"),
+        ("", "pods", "list"),
+        ("authentication.k8s.io", "tokenreviews", "create"),
+    }
+    binding = next(
+        o
+        for o in all_objects()
+        if o["kind"] == "ClusterRoleBinding" and o["metadata"]["name"] == "gpusnap-agent"
+    )
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "gpusnap-agent", "namespace": "gpusnap-system"}
+    ]
+
+
+def test_hub_rbac_grants_what_doctor_checks():
+    """Every non-chart permission doctor reviews is granted by rbac-hub.yaml to the hub SA."""
+    objs = docs(HELM / "agent" / "rbac-hub.yaml")
+    granted = set()
+    roles = {
+        (o["kind"], o["metadata"].get("namespace", ""), o["metadata"]["name"]): o
+        for o in objs
+        if o["kind"] in ("Role", "ClusterRole")
+    }
+    for b in (o for o in objs if o["kind"] in ("RoleBinding", "ClusterRoleBinding")):
+        assert b["subjects"] == [{"kind": "ServiceAccount", "name": "hub", "namespace": "jhub"}]
+        role = roles[
+            (b["roleRef"]["kind"], b["metadata"].get("namespace", ""), b["roleRef"]["name"])
+        ]
+        scope = b["metadata"].get("namespace", "")
+        for rule in role["rules"]:
+            for res in rule["resources"]:
+                for verb in rule["verbs"]:
+                    granted.add((verb, res, scope))
+    chart_role = {
+        ("create", "pods"),
+        ("get", "pods"),
+        ("list", "pods"),
+        ("watch", "pods"),
+        ("delete", "pods"),
+        ("list", "events"),
+    }
+    scopes = {"ns": "jhub", "agent": "gpusnap-system", "": ""}
+    for verb, _group, res, _sub, scope, _why in RBAC_NEEDS:
+        if scope == "ns" and (verb, res) in chart_role:
+            continue  # the Z2JH chart's hub Role
+        assert (verb, res, scopes[scope]) in granted, (verb, res, scope)
+
+
+def test_dockerfiles_install_the_package():
+    hub = (HELM / "Dockerfile.hub").read_text()
+    agent = (HELM / "Dockerfile.agent").read_text()
+    assert hub.startswith("#") and "FROM quay.io/jupyterhub/k8s-hub:" in hub
+    assert "pip install" in hub and "[kubernetes]" in hub
+    assert "29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9" in agent
+    assert 'ENTRYPOINT ["jupyterhub-gpusnap-agent"]' in agent
