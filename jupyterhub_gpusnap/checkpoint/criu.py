@@ -1,0 +1,273 @@
+"""Async wrappers over the ``criu`` binary: version check, dump, restore.
+
+Only what the local backend needs, with the options found necessary on real
+machines (see the project's notes on CRIU):
+
+- ``--tcp-close`` by default: established TCP connections are dropped rather
+  than frozen; ZMQ (kernels) and the Hub reconnect, and no nftables lock table
+  is left behind. ``tcp="established"`` keeps them (with ``--network-lock
+  nftables``, since these machines have no iptables binary).
+- ``--file-locks`` (a held flock would make the dump fail) and
+  ``--skip-in-flight`` (a listener with unaccepted connections).
+- ``--leave-stopped`` at dump: the tree stays frozen until the caller has
+  verified the image; then it kills it, or on failure sends SIGCONT and the
+  server goes on as if nothing happened.
+- ``--shell-job`` only when the root is not its own session leader.
+
+Each call writes its own log into the image folder (``dump.log``,
+``restore-<time>.log``), kept for diagnosis; errors raise
+:class:`~.base.CheckpointError` carrying the tail of that log.
+
+A restore runs ``criu restore`` *without* ``--restore-detached``: criu stays
+the parent of the restored tree and reaps it when it exits, so a restored
+server never lingers as a zombie under PID 1 (whose reaping is not ours to
+rely on). The caller keeps the returned :class:`Restored` handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .base import CheckpointError, CheckpointRefused
+
+INSTALL_HINT = (
+    "install CRIU >= {min} with .ci/install-criu.sh (builds CRIU 4.2.1 from source; "
+    "distribution packages older than 4.2 fail on recent kernels) or set LocalBackend.criu_path"
+)
+
+# Harmless on every dump/restore on these kernels; never the reason for a failure.
+_NOISE = re.compile(r"rlimit: Can't setup RLIMIT_NOFILE")
+
+TCP_MODES = ("close", "established")
+
+
+def find_criu(path: str = "") -> str | None:
+    """Absolute path of the criu binary: ``path`` if given, else from PATH or /usr/local/sbin."""
+    if path:
+        return path if os.access(path, os.X_OK) else shutil.which(path)
+    return shutil.which("criu") or next(
+        (p for p in ("/usr/local/sbin/criu", "/usr/sbin/criu") if os.access(p, os.X_OK)), None
+    )
+
+
+def _version_tuple(v: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in re.findall(r"\d+", v)[:3])
+
+
+async def criu_version(criu: str = "") -> str | None:
+    """The installed CRIU version (``"4.2.1"``), or None when there is no usable binary."""
+    binary = find_criu(criu)
+    if not binary:
+        return None
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            binary, "--version", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        )
+        out, _ = await asyncio.wait_for(proc.communicate(), 20)
+    except (OSError, asyncio.TimeoutError):
+        return None
+    m = re.search(r"Version:\s*([0-9][0-9.]*)", out.decode(errors="replace"))
+    return m.group(1) if m else None
+
+
+async def require_criu(criu: str = "", min: str = "4.2") -> str:
+    """Return the CRIU version, or raise :class:`CheckpointRefused` naming the fix.
+
+    Also refuses when not running as root: CRIU needs CAP_SYS_ADMIN and ptrace rights
+    over the server's processes.
+    """
+    version = await criu_version(criu)
+    hint = INSTALL_HINT.format(min=min)
+    if version is None:
+        raise CheckpointRefused(f"CRIU not found ({criu or 'criu on PATH'}): {hint}")
+    if _version_tuple(version) < _version_tuple(min):
+        raise CheckpointRefused(f"CRIU {version} is too old (need >= {min}): {hint}")
+    if os.geteuid() != 0:
+        raise CheckpointRefused("CRIU needs root: run the service (and the Hub) as root")
+    return version
+
+
+def log_tail(path: Path | str, lines: int = 15) -> str:
+    """The last ``lines`` meaningful lines of a CRIU log (errors first if there are any)."""
+    try:
+        text = Path(path).read_text(errors="replace").splitlines()
+    except OSError:
+        return f"(no log at {path})"
+    text = [line for line in text if not _NOISE.search(line)]
+    errors = [line for line in text if "Error" in line]
+    picked = errors[-lines:] if errors else text[-lines:]
+    return "\n".join(picked)
+
+
+def _tcp_args(tcp: str, restore: bool) -> list[str]:
+    if tcp == "close":
+        return ["--tcp-close"]
+    if tcp == "established":
+        return ["--tcp-established"] + ([] if restore else ["--network-lock", "nftables"])
+    raise ValueError(f"tcp mode must be one of {TCP_MODES}, not {tcp!r}")
+
+
+def needs_shell_job(pid: int) -> bool:
+    """True when ``pid`` is not its own session leader (CRIU then needs ``--shell-job``)."""
+    try:
+        return os.getsid(pid) != pid
+    except OSError:
+        return False
+
+
+async def dump(
+    pid: int,
+    directory: Path | str,
+    *,
+    criu: str = "",
+    tcp: str = "close",
+    leave_stopped: bool = True,
+    file_locks: bool = True,
+    skip_in_flight: bool = True,
+    extra: list[str] | tuple[str, ...] = (),
+    log_name: str = "dump.log",
+    timeout: float = 3600,
+) -> Path:
+    """Dump the process tree rooted at ``pid`` into ``directory``; return the log's path.
+
+    With ``leave_stopped`` (the default) the tree stays frozen after a successful dump.
+    On failure CRIU resumes the tree itself; a :class:`CheckpointError` carries the log tail.
+    """
+    binary = find_criu(criu)
+    if not binary:
+        raise CheckpointRefused(f"CRIU not found: {INSTALL_HINT.format(min='4.2')}")
+    directory = Path(directory)
+    args = [binary, "dump", "-t", str(pid), "-D", str(directory), "-o", log_name, "-v4"]
+    args += _tcp_args(tcp, restore=False)
+    if leave_stopped:
+        args.append("--leave-stopped")
+    if file_locks:
+        args.append("--file-locks")
+    if skip_in_flight:
+        args.append("--skip-in-flight")
+    if needs_shell_job(pid):
+        args.append("--shell-job")
+    args += list(extra)
+    proc = await asyncio.create_subprocess_exec(
+        *args,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+        preexec_fn=lambda: os.umask(0o077),
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise CheckpointError(
+            f"criu dump of pid {pid} took longer than {timeout:g}s and was stopped; "
+            f"log: {directory / log_name}"
+        ) from None
+    log = directory / log_name
+    if proc.returncode != 0:
+        detail = log_tail(log) or out.decode(errors="replace")[-2000:]
+        raise CheckpointError(
+            f"criu dump of pid {pid} failed (exit {proc.returncode}); log {log}:\n{detail}"
+        )
+    return log
+
+
+@dataclass
+class Restored:
+    """A restored tree: its root's host ``pid`` and the ``criu restore`` process that reaps it."""
+
+    pid: int
+    criu: subprocess.Popen
+    log: Path
+
+    def reap(self) -> int | None:
+        """Collect criu's exit status once the tree is gone (None while it runs)."""
+        return self.criu.poll()
+
+
+async def restore(
+    directory: Path | str,
+    pidfile: Path | str,
+    *,
+    criu: str = "",
+    tcp: str = "close",
+    file_locks: bool = True,
+    shell_job: bool = False,
+    extra: list[str] | tuple[str, ...] = (),
+    log_name: str | None = None,
+    timeout: float = 600,
+) -> Restored:
+    """Restore the tree in ``directory``; return once it runs, with its root's host pid.
+
+    ``criu restore`` keeps running as the tree's parent (see the module docstring).
+    Raises :class:`CheckpointError` with the log tail when the restore fails.
+    """
+    binary = find_criu(criu)
+    if not binary:
+        raise CheckpointRefused(f"CRIU not found: {INSTALL_HINT.format(min='4.2')}")
+    directory = Path(directory)
+    pidfile = Path(pidfile)
+    pidfile.unlink(missing_ok=True)
+    log_name = log_name or time.strftime("restore-%Y%m%dT%H%M%SZ.log", time.gmtime())
+    args = [binary, "restore", "-D", str(directory), "-o", log_name, "-v4"]
+    args += ["--pidfile", str(pidfile)]
+    args += _tcp_args(tcp, restore=True)
+    if file_locks:
+        args.append("--file-locks")
+    if shell_job:
+        args.append("--shell-job")
+    args += list(extra)
+    # Popen, not an asyncio subprocess: an asyncio transport kills its child when it is
+    # closed or collected, and this child must outlive the caller's event loop.
+    proc = subprocess.Popen(
+        args,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )
+    log = directory / log_name
+    deadline = time.monotonic() + timeout
+    while True:
+        status = proc.poll()
+        pid = _read_pid(pidfile)
+        if pid and status is None and _finished(log):
+            return Restored(pid=pid, criu=proc, log=log)
+        if status is not None:
+            raise CheckpointError(
+                f"criu restore from {directory} failed (exit {status}); log {log}:\n{log_tail(log)}"
+            )
+        if time.monotonic() > deadline:
+            proc.kill()
+            proc.wait()
+            raise CheckpointError(
+                f"criu restore from {directory} took longer than {timeout:g}s and was stopped; log {log}"
+            )
+        await asyncio.sleep(0.02)
+
+
+def _finished(log: Path) -> bool:
+    """True once criu logged that the restored tasks run (the pidfile is written earlier)."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, os.path.getsize(log) - 4096))
+            return b"Restore finished successfully" in f.read()
+    except OSError:
+        return False
+
+
+def _read_pid(pidfile: Path) -> int | None:
+    try:
+        text = pidfile.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None

@@ -1,0 +1,741 @@
+"""The local backend: CRIU on this host plus the CUDA driver's checkpoint API.
+
+For single-machine hubs (LocalProcessSpawner, GPU boxes). One folder per checkpoint::
+
+    <checkpoint_dir>/<user>/<server_name or _default>/<UTC timestamp>/
+        manifest.json   CRIU image files   dump.log   restore-*.log
+
+A checkpoint goes: refuse early if it cannot work (CRIU, process, disk) → GPU memory
+to host memory (the GPU is free from here) → ``criu dump --leave-stopped`` (the tree
+stays frozen) → checksums, flushed and re-read → ``verified`` → only then the frozen
+tree is killed. Any failure before ``verified`` sends SIGCONT and resumes the GPU
+state: the server goes on and the image is kept, marked ``failed``, for diagnosis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import signal
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from urllib.parse import quote, unquote
+
+import psutil
+from traitlets import Enum, Float, Integer, List, Unicode
+
+from ..model import Server, server_key
+from . import criu
+from .base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
+from .manifest import MANIFEST, Manifest, checksum_image, verify_image
+
+DEFAULT_NAME = "_default"
+_TS = "%Y%m%dT%H%M%S"
+
+
+def encode_name(name: str) -> str:
+    """A user or server name as one safe path component (``""`` → ``_default``)."""
+    if not name:
+        return DEFAULT_NAME
+    enc = quote(name, safe="")
+    if enc[0] in "._":  # never ".", ".." or a clash with "_default"
+        enc = f"%{ord(enc[0]):02X}" + enc[1:]
+    return enc
+
+
+def decode_name(enc: str) -> str:
+    return "" if enc == DEFAULT_NAME else unquote(enc)
+
+
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and all its descendants (empty if ``pid`` is gone)."""
+    try:
+        root = psutil.Process(pid)
+        return [pid] + [c.pid for c in root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def is_alive(pid: int) -> bool:
+    """True if ``pid`` runs (or is stopped); a zombie counts as dead."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def is_frozen(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
+
+
+def environ_of(pid: int, name: str) -> str:
+    """One variable of the environment ``pid`` started with ('' if unknown)."""
+    try:
+        return psutil.Process(pid).environ().get(name, "")
+    except psutil.Error:
+        return ""
+
+
+def listen_address(pid: int) -> tuple[str, int]:
+    """The (ip, port) the process ``pid`` itself listens on (a Jupyter server: its HTTP port)."""
+    try:
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.Error:
+        return "", 0
+    listening = sorted((c.laddr.port, c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN)
+    if not listening:
+        return "", 0
+    port, ip = listening[0]
+    return ip, port
+
+
+class LocalBackend(CheckpointBackend):
+    """Checkpoints servers running on this host with CRIU (+ the CUDA checkpoint API)."""
+
+    checkpoint_dir = Unicode(
+        "/var/lib/jupyterhub-gpusnap/checkpoints",
+        help="""Folder holding one sub-folder per checkpoint (<user>/<server>/<UTC time>/).
+        Needs room for each suspended server's host memory plus its GPU memory; created
+        0700, owned by root. Images contain everything the server had in memory, secrets
+        included: keep it on a local, root-only disk.""",
+    ).tag(config=True)
+
+    keep_last = Integer(
+        2,
+        help="""Checkpoints kept per server (newest first) by retention. The newest verified
+        checkpoint of a suspended server is always kept, whatever this says.""",
+    ).tag(config=True)
+
+    max_age_days = Float(
+        30.0,
+        help="""Retention deletes checkpoints older than this many days, except the newest
+        verified checkpoint of a server that is still suspended (it is needed to restore it).""",
+    ).tag(config=True)
+
+    min_free_bytes = Integer(
+        1 << 30,
+        help="""Free disk space (bytes) that must remain in checkpoint_dir after a checkpoint.
+        A checkpoint is refused when free space < estimated image size (host RSS of the
+        server's processes + their GPU memory) + this.""",
+    ).tag(config=True)
+
+    criu_path = Unicode(
+        "",
+        help="""Path of the criu binary (>= 4.2). Empty: 'criu' on PATH, then
+        /usr/local/sbin/criu (where .ci/install-criu.sh installs it).""",
+    ).tag(config=True)
+
+    criu_min_version = Unicode(
+        "4.2",
+        help="Oldest CRIU accepted. 4.1 cannot dump TCP sockets on recent kernels; 3.x fails on kernels >= 6.13.",
+    ).tag(config=True)
+
+    lock_timeout_ms = Integer(
+        5000,
+        help="""Milliseconds the CUDA driver may wait for running GPU work before refusing to
+        lock a server's processes; a refusal means 'busy', and the service retries later.""",
+    ).tag(config=True)
+
+    tcp_mode = Enum(
+        ["close", "established"],
+        "close",
+        help="""What CRIU does with open TCP connections. 'close' (recommended): they are
+        dropped and clients (kernels over ZMQ, the Hub, browsers) reconnect. 'established':
+        they are frozen and restored (needs nftables; leaves a lock table until restore, and
+        a connection to a Hub restarted meanwhile fails once).""",
+    ).tag(config=True)
+
+    dump_extra_args = List(
+        Unicode(),
+        help="""Extra arguments for every 'criu dump' (e.g. ['--action-script', '/path/hook.sh']
+        or ['--ext-unix-sk']).""",
+    ).tag(config=True)
+
+    restore_extra_args = List(Unicode(), help="Extra arguments for every 'criu restore'.").tag(
+        config=True
+    )
+
+    dump_timeout = Float(
+        1800.0,
+        help="Seconds a 'criu dump' may take before it is stopped and the server resumed.",
+    ).tag(config=True)
+
+    kill_timeout = Float(
+        10.0,
+        help="Seconds to wait for a checkpointed (frozen) tree to disappear after SIGKILL.",
+    ).tag(config=True)
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._cuda_obj = None
+        self._cuda_missing = False
+        self.restored: dict[int, criu.Restored] = {}
+
+    # ---------------------------------------------------------------- helpers
+    @property
+    def root(self) -> Path:
+        return Path(self.checkpoint_dir)
+
+    def server_dir(self, user: str, server_name: str) -> Path:
+        return self.root / encode_name(user) / encode_name(server_name)
+
+    def folder(self, checkpoint_id: str) -> Path:
+        """The folder of a checkpoint id (``<user>/<server>/<time>``), checked to lie inside."""
+        parts = checkpoint_id.split("/")
+        if len(parts) != 3 or any(p in ("", ".", "..") for p in parts):
+            raise CheckpointError(f"not a local checkpoint id: {checkpoint_id!r}")
+        return self.root.joinpath(*parts)
+
+    def _id(self, folder: Path) -> str:
+        return "/".join(folder.relative_to(self.root).parts)
+
+    def _lock(self, key: str) -> asyncio.Lock:
+        return self._locks.setdefault(key, asyncio.Lock())
+
+    def cuda(self):
+        """The CUDA checkpoint layer (None when the module is not installed)."""
+        if self._cuda_obj is None and not self._cuda_missing:
+            try:
+                from .cuda import CudaCheckpoint
+            except ImportError as e:
+                self.log.warning("GPU checkpointing unavailable (%s): CPU state only", e)
+                self._cuda_missing = True
+                return None
+            self._cuda_obj = CudaCheckpoint(parent=self, lock_timeout_ms=self.lock_timeout_ms)
+        return self._cuda_obj
+
+    def info(self, folder: Path, m: Manifest) -> CheckpointInfo:
+        return CheckpointInfo(
+            id=self._id(folder),
+            user=m.user,
+            server_name=m.server,
+            created=m.created,
+            status=m.status,
+            image_bytes=m.image_bytes,
+            gpu_bytes=m.gpu_bytes,
+            gpu_model=m.gpu_model,
+            gpu_count=m.gpu_count,
+            location=str(folder),
+            error=m.error,
+            extra={
+                "pid": m.pid,
+                "ip": m.ip,
+                "port": m.port,
+                "tcp_mode": m.tcp_mode,
+                "criu_version": m.criu_version,
+                "driver_version": m.driver_version,
+                "time_to_gpu_free_s": m.time_to_gpu_free_s,
+                "dump_seconds": m.dump_seconds,
+                "restored_at": m.restored_at,
+            },
+        )
+
+    def _folders(self, user: str | None = None, server_name: str | None = None):
+        if not self.root.is_dir():
+            return
+        users = [self.root / encode_name(user)] if user is not None else sorted(self.root.iterdir())
+        for udir in users:
+            if not udir.is_dir():
+                continue
+            servers = (
+                [udir / encode_name(server_name)]
+                if server_name is not None
+                else sorted(udir.iterdir())
+            )
+            for sdir in servers:
+                if not sdir.is_dir():
+                    continue
+                for folder in sdir.iterdir():
+                    if (folder / MANIFEST).is_file():
+                        yield folder
+
+    def _load_all(self, user: str | None = None, server_name: str | None = None):
+        """[(folder, manifest)], newest first."""
+        out = []
+        for folder in self._folders(user, server_name):
+            try:
+                out.append((folder, Manifest.load(folder)))
+            except (OSError, ValueError, TypeError) as e:
+                self.log.warning("unreadable checkpoint manifest in %s: %s", folder, e)
+        out.sort(key=lambda fm: (fm[1].created, fm[0].name), reverse=True)
+        return out
+
+    def _mkdir(self, path: Path) -> None:
+        """Create ``path`` and its parents up to checkpoint_dir, each 0700."""
+        missing = []
+        p = path
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        for p in reversed(missing):
+            p.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(p, 0o700)
+
+    # ---------------------------------------------------------------- contract
+    async def setup(self) -> None:
+        """Create checkpoint_dir, log what is missing, resolve checkpoints left ``writing``."""
+        self._mkdir(self.root)
+        try:
+            version = await criu.require_criu(self.criu_path, self.criu_min_version)
+            self.log.info("CRIU %s ready; checkpoints in %s", version, self.root)
+        except CheckpointRefused as e:
+            self.log.error("local checkpoints disabled until fixed: %s", e)
+        cuda = self.cuda()
+        if cuda is not None and not cuda.available():
+            self.log.info("no CUDA checkpoint API on this host: CPU-only checkpoints")
+        await self.recover()
+
+    async def check(self, server: Server) -> None:
+        """Refuse (:class:`CheckpointRefused`) when ``server`` cannot be checkpointed now."""
+        await self._preflight(server)
+
+    async def _preflight(self, server: Server) -> tuple[str, list[int], int]:
+        """Checks before touching anything; returns (criu version, tree pids, estimate)."""
+        version = await criu.require_criu(self.criu_path, self.criu_min_version)
+        pid = server.pid
+        if not pid:
+            raise CheckpointRefused(
+                f"{server.key}: no pid in the spawner state (needs a local spawner and the "
+                "admin:server_state scope)"
+            )
+        if not is_alive(pid):
+            raise CheckpointRefused(f"{server.key}: process {pid} is not running")
+        pending = self._load_all(server.user, server.name)
+        if pending and pending[0][1].status == "writing":
+            raise CheckpointRefused(
+                f"{server.key}: a checkpoint is already being written ({self._id(pending[0][0])})",
+                retry=True,
+            )
+        pids = tree_pids(pid)
+        rss = 0
+        for p in pids:
+            try:
+                rss += psutil.Process(p).memory_info().rss
+            except psutil.Error:
+                pass
+        gpu = 0
+        cuda = self.cuda()
+        if cuda is not None:
+            try:
+                gpu = await asyncio.to_thread(cuda.gpu_memory_of, pids)
+            except Exception as e:  # no NVML: the estimate is CPU-only
+                self.log.debug("GPU memory of %s unknown: %s", server.key, e)
+        estimate = rss + gpu
+        self._mkdir(self.root)
+        free = shutil.disk_usage(self.root).free
+        if free < estimate + self.min_free_bytes:
+            raise CheckpointRefused(
+                f"{server.key}: not enough disk in {self.root}: {free / 2**30:.1f} GiB free, "
+                f"need {estimate / 2**30:.1f} GiB for the image + "
+                f"{self.min_free_bytes / 2**30:.1f} GiB (LocalBackend.min_free_bytes); "
+                "free space, move checkpoint_dir, or lower keep_last/max_age_days"
+            )
+        return version, pids, estimate
+
+    async def checkpoint(self, server: Server) -> CheckpointInfo:
+        """Checkpoint, verify, then kill ``server``'s tree (see the module docstring).
+
+        Cancelling the caller (e.g. ``asyncio.wait_for`` timing out) does not abort a
+        checkpoint half-way, which could leave the server frozen: it runs to its end
+        (verified and ended, or failed and resumed) and the outcome is logged.
+        ``dump_timeout`` bounds the dump itself.
+        """
+        task = asyncio.ensure_future(self._locked_checkpoint(server))
+        task.add_done_callback(lambda t: self._log_orphan(server.key, t))
+        return await asyncio.shield(task)
+
+    async def _locked_checkpoint(self, server: Server) -> CheckpointInfo:
+        async with self._lock(server.key):
+            return await self._checkpoint(server)
+
+    def _log_orphan(self, key: str, task: asyncio.Task) -> None:
+        """Retrieve the outcome of a checkpoint whose caller stopped waiting."""
+        if task.cancelled():
+            return
+        error = task.exception()
+        if error is not None and not isinstance(error, CheckpointError):
+            self.log.error("%s: checkpoint crashed: %r", key, error)
+
+    async def _checkpoint(self, server: Server) -> CheckpointInfo:
+        t0 = time.monotonic()
+        version, pids, _ = await self._preflight(server)
+        pid = server.pid
+        created = time.time()
+        stamp = datetime.fromtimestamp(created, timezone.utc).strftime(_TS)
+        folder = (
+            self.server_dir(server.user, server.name)
+            / f"{stamp}.{int(created * 1e6) % 1_000_000:06d}Z"
+        )
+        self._mkdir(folder)
+        ip, port = listen_address(pid)
+        m = Manifest(
+            user=server.user,
+            server=server.name,
+            created=created,
+            criu_version=version,
+            pid=pid,
+            ip=ip,
+            port=port,
+            tcp_mode=self.tcp_mode,
+            shell_job=criu.needs_shell_job(pid),
+            api_token=environ_of(pid, "JUPYTERHUB_API_TOKEN"),
+        )
+        m.extra["tree"] = pids
+        cuda = self.cuda()
+        if cuda is not None:
+            try:
+                inv = await asyncio.to_thread(cuda.gpu_inventory, pids)
+                m.gpu_model = inv.get("gpu_model", "")
+                m.gpu_count = int(inv.get("gpu_count", 0))
+                m.gpu_bytes = int(inv.get("gpu_bytes", 0))
+                m.driver_version = inv.get("driver_version", "") or (cuda.driver_version() or "")
+            except Exception as e:
+                self.log.debug("GPU inventory for %s unavailable: %s", server.key, e)
+        m.save(folder)
+        self.log.info(
+            "%s: checkpoint %s writing (pid %s, %d processes)",
+            server.key,
+            self._id(folder),
+            pid,
+            len(pids),
+        )
+
+        # 1. GPU memory to host memory: the GPU is free from here on.
+        cuda_pids: list[int] = []
+        if cuda is not None:
+            try:
+                cuda_pids = await cuda.suspend(pids, lock_timeout_ms=self.lock_timeout_ms)
+            except CheckpointRefused as e:
+                # Nothing changed (the driver rolled back): not a failed image, just not now.
+                shutil.rmtree(folder, ignore_errors=True)
+                self.log.info("%s: checkpoint refused: %s", server.key, e)
+                raise
+            except Exception as e:
+                await self._fail(folder, m, server.key, pids, [], f"GPU checkpoint failed: {e}")
+                raise CheckpointError(
+                    f"{server.key}: GPU checkpoint failed, server left running: {e}"
+                ) from e
+        m.cuda_pids = cuda_pids
+        m.time_to_gpu_free_s = round(time.monotonic() - t0, 3)
+        m.save(folder)
+
+        # 2. Dump the tree, leaving it frozen; 3. checksum and verify from disk.
+        try:
+            t1 = time.monotonic()
+            await criu.dump(
+                pid,
+                folder,
+                criu=self.criu_path,
+                tcp=self.tcp_mode,
+                leave_stopped=True,
+                extra=self.dump_extra_args,
+                timeout=self.dump_timeout,
+            )
+            m.dump_seconds = round(time.monotonic() - t1, 3)
+            m.files, m.image_bytes = await asyncio.to_thread(checksum_image, folder)
+            problems = await asyncio.to_thread(verify_image, folder, m.files)
+            if problems:
+                raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
+            if not all(is_frozen(p) or not is_alive(p) for p in pids[:1]):
+                raise CheckpointError(f"process {pid} is no longer frozen after the dump")
+        except Exception as e:
+            await self._fail(folder, m, server.key, pids, cuda_pids, str(e))
+            if isinstance(e, CheckpointError):
+                raise CheckpointError(f"{server.key}: {e}; the server keeps running") from e
+            raise CheckpointError(
+                f"{server.key}: checkpoint failed ({type(e).__name__}: {e}); the server keeps running"
+            ) from e
+
+        m.status = "verified"
+        m.verified_at = time.time()
+        m.save(folder)
+        # 4. Only now: the image is safe, the frozen tree can go.
+        await self.kill_tree(pids)
+        self.log.info(
+            "%s: checkpoint %s verified (%.1f MiB, GPU free after %.2fs, dump %.2fs); processes ended",
+            server.key, self._id(folder), m.image_bytes / 2**20, m.time_to_gpu_free_s, m.dump_seconds,
+        )  # fmt: skip
+        return self.info(folder, m)
+
+    async def _fail(
+        self, folder: Path, m: Manifest, key: str, pids: list[int], cuda_pids: list[int], why: str
+    ) -> None:
+        """Let the server go on (SIGCONT, GPU memory back) and keep the image as ``failed``."""
+        self.resume_tree(pids)
+        if cuda_pids and self.cuda() is not None:
+            try:
+                await self.cuda().resume(cuda_pids)
+            except Exception as e:
+                why += f"; resuming GPU memory failed too: {e}"
+        m.status = "failed"
+        m.error = why
+        try:
+            m.save(folder)
+        except OSError as e:
+            self.log.error("%s: cannot record failure in %s: %s", key, folder, e)
+        self.log.error("%s: checkpoint %s failed, server resumed: %s", key, self._id(folder), why)
+
+    @staticmethod
+    def resume_tree(pids: list[int]) -> None:
+        """SIGCONT every process of a tree (undoes ``--leave-stopped``)."""
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGCONT)
+            except OSError:
+                pass
+
+    async def kill_tree(self, pids: list[int]) -> None:
+        """SIGKILL a (frozen) tree and wait until it is gone; reap our own children."""
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        deadline = time.monotonic() + self.kill_timeout
+        me = os.getpid()
+        while True:
+            left = []
+            for p in pids:
+                try:
+                    proc = psutil.Process(p)
+                    if proc.ppid() == me:
+                        os.waitpid(p, os.WNOHANG)
+                    if proc.status() != psutil.STATUS_ZOMBIE:
+                        left.append(p)
+                except (psutil.Error, ChildProcessError):
+                    continue
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                self.log.warning(
+                    "processes %s still present %gs after SIGKILL", left, self.kill_timeout
+                )
+                return
+            await asyncio.sleep(0.05)
+
+    async def get(self, checkpoint_id: str) -> CheckpointInfo | None:
+        """One checkpoint by id, or None."""
+        folder = self.folder(checkpoint_id)
+        try:
+            return self.info(folder, Manifest.load(folder))
+        except (OSError, ValueError):
+            return None
+
+    async def latest(self, user: str, server_name: str) -> CheckpointInfo | None:
+        """The newest verified checkpoint of ``user/server_name`` (None if the newest
+        checkpoint is restored or failed: the server moved on since)."""
+        for folder, m in self._load_all(user, server_name):
+            if m.status == "verified":
+                return self.info(folder, m)
+            if m.status in ("restored", "failed"):
+                return None
+        return None
+
+    async def resume_token(self, checkpoint_id: str) -> str:
+        """The Hub API token the checkpointed server holds ('' if it had none)."""
+        try:
+            return Manifest.load(self.folder(checkpoint_id)).api_token
+        except (OSError, ValueError):
+            return ""
+
+    async def writing(self, user: str, server_name: str) -> CheckpointInfo | None:
+        """The checkpoint of this server being written right now, if any."""
+        found = self._load_all(user, server_name)
+        if found and found[0][1].status == "writing":
+            return self.info(*found[0])
+        return None
+
+    async def wait_settled(
+        self, user: str, server_name: str, timeout: float, interval: float = 0.25
+    ) -> CheckpointInfo | None:
+        """Wait (at most ``timeout`` s) until no checkpoint of this server is ``writing``.
+
+        Returns the checkpoint still writing when time ran out, else None.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            pending = await self.writing(user, server_name)
+            if pending is None or time.monotonic() > deadline:
+                return pending
+            await asyncio.sleep(interval)
+
+    async def list(self, user: str | None = None) -> list[CheckpointInfo]:
+        return [self.info(f, m) for f, m in self._load_all(user)]
+
+    async def mark(self, checkpoint_id: str, status: str, error: str = "") -> None:
+        """Set a checkpoint's status (``failed`` with ``error`` after a failed restore)."""
+        folder = self.folder(checkpoint_id)
+        m = Manifest.load(folder)
+        m.status = status
+        if error:
+            m.error = error
+        if status == "restored":
+            m.restored_at = time.time()
+        m.save(folder)
+
+    async def delete(self, checkpoint_id: str) -> None:
+        folder = self.folder(checkpoint_id)
+        try:
+            m = Manifest.load(folder)
+        except OSError:
+            raise CheckpointError(f"no checkpoint {checkpoint_id}") from None
+        if m.status == "writing":
+            raise CheckpointError(f"checkpoint {checkpoint_id} is being written; delete it later")
+        await asyncio.to_thread(shutil.rmtree, folder)
+        self.log.info("%s: checkpoint %s deleted", server_key(m.user, m.server), checkpoint_id)
+        for parent in (folder.parent, folder.parent.parent):
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+
+    def _protected(self, found: list[tuple[Path, Manifest]]) -> set[Path]:
+        """Per server: the newest verified checkpoint while nothing newer was restored/failed."""
+        keep: set[Path] = set()
+        seen: set[str] = set()
+        for folder, m in found:
+            key = server_key(m.user, m.server)
+            if key in seen or m.status == "writing":
+                continue
+            seen.add(key)
+            if m.status == "verified":
+                keep.add(folder)
+        return keep
+
+    async def apply_retention(self) -> list[str]:
+        """Delete what ``keep_last``/``max_age_days`` allow; never a suspended server's image."""
+        found = self._load_all()
+        protected = self._protected(found)
+        now = time.time()
+        counts: dict[str, int] = {}
+        deleted = []
+        for folder, m in found:
+            key = server_key(m.user, m.server)
+            counts[key] = counts.get(key, 0) + 1
+            if m.status == "writing" or folder in protected:
+                continue
+            too_many = counts[key] > self.keep_last
+            too_old = now - m.created > self.max_age_days * 86400
+            if too_many or too_old:
+                cid = self._id(folder)
+                await self.delete(cid)
+                deleted.append(cid)
+        return deleted
+
+    def reserved_ports(self) -> set[int]:
+        """Ports of suspended servers: a restore needs its old port free again."""
+        found = self._load_all()
+        protected = self._protected(found)
+        return {m.port for f, m in found if m.port and f in protected}
+
+    # ---------------------------------------------------------------- restore
+    async def restore(self, info: CheckpointInfo, timeout: float = 600) -> tuple[int, str, int]:
+        """Restore a verified checkpoint; return (pid, ip, port) of the running server.
+
+        Checks the checksums first; on any failure raises :class:`CheckpointError`
+        (the caller marks the checkpoint failed and starts afresh). On success the
+        checkpoint is marked ``restored``.
+        """
+        folder = Path(info.location) if info.location else self.folder(info.id)
+        m = Manifest.load(folder)
+        key = server_key(m.user, m.server)
+        if m.status != "verified":
+            raise CheckpointError(f"{key}: checkpoint {info.id} is {m.status}, not verified")
+        await criu.require_criu(self.criu_path, self.criu_min_version)
+        problems = await asyncio.to_thread(verify_image, folder, m.files)
+        if problems:
+            raise CheckpointError(f"{key}: image {info.id} is damaged: " + "; ".join(problems[:5]))
+        restored = await criu.restore(
+            folder,
+            folder / "restore.pid",
+            criu=self.criu_path,
+            tcp=m.tcp_mode,
+            shell_job=m.shell_job,
+            extra=self.restore_extra_args,
+            timeout=timeout,
+        )
+        self.restored[restored.pid] = restored
+        for p, r in list(self.restored.items()):
+            if r.reap() is not None:
+                self.restored.pop(p, None)
+        if m.cuda_pids and self.cuda() is not None:
+            try:
+                await self.cuda().resume(tree_pids(restored.pid))
+            except Exception as e:
+                await self.kill_tree(tree_pids(restored.pid))
+                raise CheckpointError(f"{key}: restoring GPU memory failed: {e}") from e
+        m.status = "restored"
+        m.restored_at = time.time()
+        m.extra["restored_pid"] = restored.pid
+        m.save(folder)
+        self.log.info(
+            "%s: checkpoint %s restored as pid %s on %s:%s",
+            key,
+            info.id,
+            restored.pid,
+            m.ip,
+            m.port,
+        )
+        return restored.pid, m.ip, m.port
+
+    # ---------------------------------------------------------------- recovery
+    async def recover(self) -> list[str]:
+        """Resolve checkpoints left ``writing`` by a service that died mid-dump.
+
+        If the dump completed and the image checks out, the checkpoint is marked
+        verified and a still-frozen tree is killed; otherwise the tree is resumed
+        (SIGCONT, GPU memory back) and the checkpoint marked failed. Returns the ids.
+        """
+        done = []
+        for folder, m in self._load_all():
+            if m.status != "writing":
+                continue
+            key = server_key(m.user, m.server)
+            tree = [p for p in (m.extra.get("tree") or [m.pid]) if is_alive(p)]
+            root_alive = is_alive(m.pid)
+            frozen = root_alive and is_frozen(m.pid)
+            dumped = _dump_finished(folder)
+            if dumped and (frozen or not root_alive):
+                try:
+                    m.files, m.image_bytes = await asyncio.to_thread(checksum_image, folder)
+                    problems = await asyncio.to_thread(verify_image, folder, m.files)
+                except OSError as e:
+                    problems = [str(e)]
+                if not problems:
+                    m.status = "verified"
+                    m.verified_at = time.time()
+                    m.save(folder)
+                    if frozen:
+                        await self.kill_tree(tree)
+                    self.log.warning(
+                        "%s: checkpoint %s completed at recovery", key, self._id(folder)
+                    )
+                    done.append(self._id(folder))
+                    continue
+            why = "the service stopped while this checkpoint was being written"
+            if root_alive:
+                # GPU state may be checkpointed even if the service died before recording it
+                await self._fail(folder, m, key, tree, m.cuda_pids or tree, why)
+            else:
+                m.status, m.error = "failed", why + " and the process is gone"
+                m.save(folder)
+                self.log.error(
+                    "%s: checkpoint %s failed at recovery: %s", key, self._id(folder), m.error
+                )
+            done.append(self._id(folder))
+        return done
+
+
+def _dump_finished(folder: Path) -> bool:
+    try:
+        text = (folder / "dump.log").read_text(errors="replace")
+    except OSError:
+        return False
+    return bool(re.search(r"Dumping finished successfully", text))

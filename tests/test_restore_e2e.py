@@ -1,0 +1,238 @@
+"""End to end with a real Hub, proxy, single-user servers, kernels and CRIU.
+
+The test plays the service's part exactly as the service does it: checkpoint through
+LocalBackend, then stop the server through the Hub API. The user comes back through
+the proxy with their own token and finds the same kernel with the same variables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from realhub import free_port
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend
+from jupyterhub_gpusnap.checkpoint.manifest import Manifest
+from jupyterhub_gpusnap.model import Server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.criu]
+
+TEMPLATES = Path(__file__).parent.parent / "jupyterhub_gpusnap" / "templates" / "hub"
+
+
+def snap_config(ckpt: Path, extra: str = "") -> str:
+    return f"""
+c.JupyterHub.spawner_class = "jupyterhub_gpusnap.spawner.SnapSimpleLocalProcessSpawner"
+c.LocalBackend.checkpoint_dir = {str(ckpt)!r}
+c.LocalBackend.min_free_bytes = 0
+c.SnapSimpleLocalProcessSpawner.restore_timeout = 60
+c.JupyterHub.template_paths = [{str(TEMPLATES)!r}]
+# these tests need the Jupyter server API only: skip loading JupyterLab (faster starts)
+c.Spawner.args = ["--allow-root"] + [
+    f"--ServerApp.jpserver_extensions={{ext}}=False"
+    for ext in ("jupyterlab", "jupyter_lsp", "notebook_shim")
+]
+c.Spawner.default_url = "/api/status"
+{extra}
+"""
+
+
+def service_backend(ckpt: Path, **kw) -> LocalBackend:
+    """The backend as the service configures it (same checkpoint_dir as the Hub)."""
+    return LocalBackend(checkpoint_dir=str(ckpt), min_free_bytes=0, **kw)
+
+
+async def suspend(hub, backend: LocalBackend, user: str, name: str = ""):
+    """What the service does: checkpoint (verified, processes ended), then stop via the API."""
+    model = await hub.get_server(user, name)
+    assert model and model["ready"] and model["state"]["pid"]
+    info = await backend.checkpoint(Server(user=user, name=name, state=model["state"]))
+    assert info.status == "verified"
+    await hub.stop_server(user, name)
+    assert await hub.get_server(user, name) is None
+    return info
+
+
+class ProgressReader:
+    """Reads the spawn progress stream (server-sent events) of a server while it spawns."""
+
+    def __init__(self, hub, user: str):
+        self.events: list[dict] = []
+        self._buf = b""
+        req = HTTPRequest(
+            f"{hub.api_url}/users/{user}/server/progress",
+            headers={"Authorization": f"token {hub.admin_token}"},
+            streaming_callback=self._chunk,
+            request_timeout=120,
+        )
+        self.done = asyncio.ensure_future(AsyncHTTPClient().fetch(req, raise_error=False))
+
+    def _chunk(self, data: bytes) -> None:
+        self._buf += data
+        while b"\n\n" in self._buf:
+            block, self._buf = self._buf.split(b"\n\n", 1)
+            for line in block.decode().splitlines():
+                if line.startswith("data:"):
+                    self.events.append(json.loads(line[5:]))
+
+    def messages(self) -> str:
+        return "\n".join(e.get("message", "") for e in self.events)
+
+
+async def test_suspended_server_comes_back_with_its_kernel(hub_factory, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    hub = await hub_factory(snap_config(ckpt))
+    backend = service_backend(ckpt)
+    await hub.start_server("alice")
+    kid, out = await hub.execute(
+        "alice", "x = 42\nf = open('notes.txt', 'a')\nf.write('before\\n'); f.flush()\nprint('ok')"
+    )
+    assert out.strip() == "ok"
+    first_pid = (await hub.get_server("alice"))["state"]["pid"]
+
+    info = await suspend(hub, backend, "alice")
+    assert info.extra["port"] and "alice/: suspended (checkpoint" in hub.log_text()
+    # the page a returning user sees
+    token = await hub.user_token("alice")
+    resp = await AsyncHTTPClient().fetch(
+        HTTPRequest(hub.url + "hub/user/alice/", headers={"Authorization": f"token {token}"}),
+        raise_error=False,
+    )
+    page = resp.body.decode()
+    assert resp.code == 424
+    assert "Your server is suspended" in page and "to free the GPU" in page
+    assert "Restore server" in page
+
+    await hub.start_server("alice")
+    kid2, out = await hub.execute(
+        "alice", "f.write('after\\n'); f.flush()\nprint(x)", kernel_id=kid
+    )
+    assert kid2 == kid and out.strip() == "42"
+    assert (hub.home_root / "alice" / "notes.txt").read_text() == "before\nafter\n"
+    model = await hub.get_server("alice")
+    assert model["ready"] and model["state"]["pid"] != first_pid
+    assert Manifest.load(backend.folder(info.id)).status == "restored"
+    assert "alice/: restored from" in hub.log_text()
+    # the server's own calls to the Hub work: its old token was taken back
+    status, data = await hub.user_request("alice", "api/status")
+    assert status == 200 and data["kernels"] == 1
+    # and a browser gets in through the server's OAuth client (re-registered on restore)
+    browser = await hub.browser("alice")
+    resp = await browser.request("/user/alice/files/notes.txt")
+    assert resp.code == 200 and resp.body == b"before\nafter\n", browser.history
+    assert any("oauth_callback" in url for _, url in browser.history)
+    resp = await browser.request("/user/alice/api/kernels")
+    assert resp.code == 200 and [k["id"] for k in json.loads(resp.body)] == [kid]
+    browser.close()
+
+    # suspended a second time, from the restored state, and the Hub restarts meanwhile
+    await suspend(hub, backend, "alice")
+    await hub.restart()
+    await hub.start_server("alice")
+    _, out = await hub.execute("alice", "x + 1", kernel_id=kid)
+    assert out == "43"
+    # a plain stop (no checkpoint) is an ordinary stop: the next start is fresh
+    await hub.stop_server("alice")
+    await hub.start_server("alice")
+    status, kernels = await hub.user_request("alice", "api/kernels")
+    assert status == 200 and kernels == []
+
+
+async def test_failed_restore_starts_fresh_and_keeps_the_image(hub_factory, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    # the spawn request returns at once (202), so that progress can be followed
+    hub = await hub_factory(
+        snap_config(ckpt, 'c.JupyterHub.tornado_settings = {"slow_spawn_timeout": 0}')
+    )
+    backend = service_backend(ckpt)
+    await hub.start_server("bob")
+    kid, _ = await hub.execute("bob", "x = 42")
+    info = await suspend(hub, backend, "bob")
+    folder = backend.folder(info.id)
+    pages = max(folder.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    data = bytearray(pages.read_bytes())
+    data[100] ^= 0x55
+    pages.write_bytes(bytes(data))
+
+    status, _ = await hub.api("POST", "/users/bob/server", {})
+    assert status == 202
+    progress = ProgressReader(hub, "bob")
+    await hub.wait_ready("bob")
+    await asyncio.wait_for(progress.done, 30)
+    assert "could not restore your snapshot" in progress.messages()
+    assert "damaged" in progress.messages()
+
+    m = Manifest.load(folder)
+    assert m.status == "failed" and "damaged" in m.error and pages.name in m.error
+    # the token the image holds is revoked: that image will never run again
+    assert m.api_token
+    status, _ = await hub.api("GET", "/user", token=m.api_token)
+    assert status == 403
+    assert (folder / pages.name).exists()  # kept for diagnosis
+    assert "bob/: restore of checkpoint" in hub.log_text()
+    # a fresh server: the old kernel is gone, a new one works
+    status, kernels = await hub.user_request("bob", "api/kernels")
+    assert status == 200 and kernels == []
+    _, out = await hub.execute("bob", "print('fresh')")
+    assert out.strip() == "fresh"
+
+
+async def test_stop_during_a_suspension_waits_for_it(hub_factory, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    port = free_port()
+    # every fresh server asks for the same port: the suspended one's must not be handed out
+    hub = await hub_factory(
+        snap_config(
+            ckpt,
+            f'c.JupyterHub.tornado_settings = {{"slow_stop_timeout": 1}}\nc.Spawner.port = {port}'
+            "\nc.JupyterHub.allow_named_servers = True",
+        )
+    )
+    go = tmp_path / "go"
+    hook = tmp_path / "hook.sh"
+    hook.write_text(
+        '#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] || exit 0\n'
+        f"while [ ! -e {go} ]; do sleep 0.05; done\n"
+    )
+    hook.chmod(0o700)
+    backend = service_backend(ckpt, dump_extra_args=["--action-script", str(hook)])
+    # a named server: carol/gpu
+    await hub.start_server("carol", "gpu")
+    kid, _ = await hub.execute("carol", "x = 42", server="gpu")
+    model = await hub.get_server("carol", "gpu")
+
+    suspension = asyncio.ensure_future(
+        backend.checkpoint(Server(user="carol", name="gpu", state=model["state"]))
+    )
+    while await backend.writing("carol", "gpu") is None:
+        await asyncio.sleep(0.05)
+    # someone stops the server while its image is being written: the stop must wait,
+    # never kill the frozen processes under CRIU's feet
+    status, _ = await hub.api("DELETE", "/users/carol/servers/gpu")
+    assert status == 202
+    assert (await hub.get_server("carol", "gpu"))["pending"] == "stop"
+    assert "carol/gpu: stop waits for the suspension being written" in hub.log_text()
+    go.touch()
+    info = await suspension
+    assert info.status == "verified"
+    for _ in range(200):
+        if await hub.get_server("carol", "gpu") is None:
+            break
+        await asyncio.sleep(0.1)
+    assert await hub.get_server("carol", "gpu") is None
+    assert "carol/gpu: suspended (checkpoint" in hub.log_text()
+
+    assert info.extra["port"] == port  # carol had the configured port
+    await hub.start_server("dave")
+    status, routes = await hub.api("GET", "/proxy")
+    assert status == 200
+    assert not routes["/user/dave/"]["target"].endswith(f":{port}")
+    await hub.start_server("carol", "gpu")
+    _, out = await hub.execute("carol", "x", kernel_id=kid, server="gpu")
+    assert out == "42"
+    _, out = await hub.execute("dave", "print('dave')")
+    assert out.strip() == "dave"
