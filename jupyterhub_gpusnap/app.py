@@ -13,9 +13,10 @@ import signal
 import sys
 from urllib.parse import urlparse
 
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from tornado import web
 from tornado.httpserver import HTTPServer
-from traitlets import Bool, Dict, Float, List, Type, Unicode, default, validate
+from traitlets import Bool, Dict, Float, List, TraitError, Type, Unicode, default, validate
 from traitlets.config import Application
 
 from . import __version__
@@ -69,6 +70,13 @@ class GpuSnap(Application):
     interval = Float(
         60, help="Seconds between two ticks. Each tick lists running servers, reads their signals and applies the policy."
     ).tag(config=True)
+
+    @validate("interval")
+    def _check_interval(self, proposal):
+        # 0 or less would tick in a busy loop, hammering the Hub API
+        if proposal.value <= 0:
+            raise ValueError(f"GpuSnap.interval must be a number of seconds > 0, e.g. 60; got {proposal.value!r}")
+        return proposal.value
 
     db_url = Unicode(
         "sqlite:///gpusnap.sqlite",
@@ -228,16 +236,48 @@ class GpuSnap(Application):
         )
 
     def build_policy(self) -> Policy:
-        rules = [Rule.from_dict(r) for r in self.rules]
-        return Policy(rules=rules, default=self.default_rule())
+        """The policy from the settings; a ValueError names the setting (GpuSnap.rules or GpuSnap.*) to fix."""
+        try:
+            rules = [Rule.from_dict(r, default_name=f"rules[{i}]") for i, r in enumerate(self.rules)]
+        except ValueError as e:
+            raise ValueError(f"GpuSnap.rules: {e}") from None
+        try:
+            default_rule = self.default_rule()
+        except ValueError as e:
+            raise ValueError(f"GpuSnap settings (the default rule): {e}") from None
+        try:
+            return Policy(rules=rules, default=default_rule)
+        except ValueError as e:
+            raise ValueError(f"GpuSnap.rules: {e}") from None
+
+    def _load_settings(self, argv) -> None:
+        """Command line, then the config file; a config file named on the command line must exist."""
+        super().initialize(argv)
+        explicit = "config_file" in self.config.get("GpuSnap", {})
+        if self.config_file and os.path.exists(self.config_file):
+            self.load_config_file(self.config_file)
+        elif explicit:
+            raise ValueError(
+                f"GpuSnap.config_file: {self.config_file} does not exist; pass the path of your gpusnap_config.py "
+                "(jupyterhub-gpusnap --generate-config writes one)"
+            )
+
+    #: a config file that does not load is an error, not a silent fall-back to the defaults
+    raise_config_file_errors = True
 
     def initialize(self, argv=None):
-        super().initialize(argv)
+        # a bad value (e.g. GpuSnap.action = "kill") is one line naming the setting, not a traceback
+        try:
+            self._load_settings(argv)
+        except (TraitError, ValueError) as e:
+            self.log.critical("Invalid configuration: %s", e)
+            self.exit(1)
+        except Exception as e:  # a config file that does not run (syntax error, NameError, …)
+            self.log.critical("Cannot load the config file %s: %s: %s", self.config_file, type(e).__name__, e)
+            self.exit(1)
         if self.generate_config:
             print(self.generate_config_file())
             self.exit(0)
-        if self.config_file and os.path.exists(self.config_file):
-            self.load_config_file(self.config_file)
         try:
             self.policy = self.build_policy()
         except ValueError as e:
@@ -249,9 +289,21 @@ class GpuSnap(Application):
             api_token=os.environ.get("JUPYTERHUB_API_TOKEN", ""),
         )
         if not self.hub.api_token:
-            self.log.critical("No Hub API token: run me as a JupyterHub service (JUPYTERHUB_API_TOKEN is unset)")
+            self.log.critical(
+                "No Hub API token: JUPYTERHUB_API_TOKEN is unset. Run me as a JupyterHub service "
+                "(c.JupyterHub.services with a command), or, as an external service, export "
+                "JUPYTERHUB_API_TOKEN set to the service's api_token"
+            )
             self.exit(1)
-        self.store = Store(self.db_url)
+        try:
+            self.store = Store(self.db_url)
+        except (ArgumentError, ValueError, OSError, SQLAlchemyError) as e:
+            self.log.critical(
+                "Invalid configuration: GpuSnap.db_url = %r cannot be used: %s. Set it to a database the service "
+                "can write, e.g. sqlite:////var/lib/gpusnap/gpusnap.sqlite (the folder must exist) or "
+                "postgresql://gpusnap@db/gpusnap", self.db_url, e,
+            )
+            self.exit(1)
         self.sources = [cls(parent=self) for cls in self.signal_classes]
         for source in self.sources:
             # sources that talk to servers default to the service's own URL and token

@@ -109,6 +109,9 @@ class ServerMixin:
         model = self.require_user()
         name = name or ""
         allowed = self.owns(model, user) or (self.is_admin(model) if write else self.can_read_all(model))
+        if not allowed and write and self.can_read_all(model):
+            # a reader may see every server, so a 404 would mislead: say which scope acting needs
+            raise web.HTTPError(403, f"Acting on {server_key(user, name)} needs the custom:gpusnap:admin scope")
         if not allowed:
             # the same answer whether or not the server exists: no probing of other users
             raise web.HTTPError(404, f"No server {server_key(user, name)} that you may see")
@@ -125,6 +128,13 @@ class ServerHandler(ServerMixin, APIHandler):
 
 
 class ServerActionHandler(ServerMixin, APIHandler):
+    async def get(self, user, name=None, action=None):
+        # GET api/servers/alice/keep is the status of alice's named server "keep", not an action
+        if name is not None:
+            raise web.HTTPError(404, "Actions are POST requests; GET api/servers/{user}/{name} for a status")
+        _, status = self.find(user, action)
+        self.write_json(status_model(self.gpusnap, status))
+
     async def post(self, user, name=None, action=None):
         app = self.gpusnap
         body = self.json_body()
