@@ -1,0 +1,56 @@
+"""A process holding N GiB of random data on the GPU, for the suspend bench.
+
+It runs detached (its own session, no pipes to the bench, so CRIU can dump it alone):
+``python bench/gpu_holder.py GIB STATE_DIR``. When ready it writes STATE_DIR/ready;
+on SIGUSR1 it writes the sha256 of its GPU data (copied out in 1 GiB chunks) to
+STATE_DIR/checksum.<n>, n counting up from 1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import sys
+import time
+
+import torch
+
+GiB = 1024**3
+
+
+def main() -> None:
+    gib, state = float(sys.argv[1]), sys.argv[2]
+    n = int(gib * GiB) // 4
+    chunks = []
+    left = n
+    gen = torch.Generator(device="cuda").manual_seed(1234)
+    while left:
+        k = min(left, GiB // 4)
+        chunks.append(torch.randint(-(2**31), 2**31 - 1, (k,), dtype=torch.int32, device="cuda", generator=gen))
+        left -= k
+    torch.cuda.synchronize()
+    host = torch.empty(GiB // 4, dtype=torch.int32, pin_memory=True)
+    count = [0]
+
+    def checksum(*_):
+        h = hashlib.sha256()
+        for c in chunks:
+            part = host[: c.numel()]
+            part.copy_(c)
+            h.update(part.numpy().tobytes())
+        count[0] += 1
+        path = os.path.join(state, f"checksum.{count[0]}")
+        with open(path + ".tmp", "w") as f:
+            f.write(h.hexdigest())
+        os.rename(path + ".tmp", path)
+
+    signal.signal(signal.SIGUSR1, checksum)
+    with open(os.path.join(state, "ready"), "w") as f:
+        f.write(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    main()

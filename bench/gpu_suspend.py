@@ -1,0 +1,215 @@
+"""Suspend and restore a process holding N GiB of GPU data: through our code, and by hand.
+
+For each size (GiB, from argv; default 1 8 24):
+
+- **ours**: a detached process fills N GiB of GPU memory with random data; the local
+  backend (``LocalBackend.checkpoint``: driver lock + checkpoint, ``criu dump``, checksums,
+  verification, kill) suspends it and ``LocalBackend.restore`` brings it back.
+  ``time_to_gpu_free_s`` is when the GPU memory was free (from the manifest),
+  ``time_to_disk_s`` the whole checkpoint call, ``restore_s`` the whole restore call.
+- **bare**: an identical process handled by hand in the same run: the driver calls with
+  ctypes (``driver_checkpoint_s`` = lock + checkpoint, ``driver_restore_s`` = restore + unlock),
+  a plain ``criu dump -t PID -D DIR`` and ``criu restore -D DIR -d``.
+  ``bare_suspend_s`` = driver checkpoint + criu dump; ``bare_restore_s`` = criu restore + driver restore.
+- ``intact``: the sha256 of the GPU data, computed in the process, is the same after the restore.
+
+The page cache is dropped before each restore where the kernel allows it (``cold_cache``).
+Needs root, an NVIDIA GPU with driver >= 570, PyTorch and CRIU >= 4.2.
+Usage: ``python bench/gpu_suspend.py [GIB ...] [--dir DIR]`` → bench/results/gpu_suspend.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import machine, print_table, results_dir
+
+from jupyterhub_gpusnap.checkpoint.criu import find_criu
+from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend
+from jupyterhub_gpusnap.model import Server
+
+HERE = Path(__file__).parent
+COLUMNS = [
+    "gib", "gpu_bytes", "image_bytes", "time_to_gpu_free_s", "time_to_disk_s", "restore_s",
+    "driver_checkpoint_s", "driver_restore_s", "bare_suspend_s", "bare_restore_s",
+    "gpu_free_ratio", "disk_ratio", "restore_ratio", "intact", "bare_intact",
+]
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+class Holder:
+    """A detached process holding GPU data (bench/gpu_holder.py)."""
+
+    def __init__(self, gib: float, root: Path):
+        self.state = Path(tempfile.mkdtemp(dir=root, prefix="holder-"))
+        log = open(self.state / "log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", str(HERE / "gpu_holder.py"), str(gib), str(self.state)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd=self.state,
+        )
+        self.pid = self.proc.pid
+        self.n = 0
+        deadline = time.monotonic() + 300
+        while not (self.state / "ready").exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("GPU holder did not start: " + (self.state / "log").read_text()[-2000:])
+            time.sleep(0.1)
+
+    def checksum(self, pid: int | None = None, timeout: float = 300) -> str:
+        self.n += 1
+        os.kill(pid or self.pid, signal.SIGUSR1)
+        path = self.state / f"checksum.{self.n}"
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise RuntimeError("no checksum: " + (self.state / "log").read_text()[-2000:])
+            time.sleep(0.05)
+        return path.read_text()
+
+    def reap(self) -> None:
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def disk_write_gbps(root: Path, gib: int = 4) -> float:
+    """Sequential write bandwidth of the checkpoint disk (O_DIRECT, like a large image)."""
+    path = root / "ddtest"
+    t = time.monotonic()
+    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={gib * 64}", "oflag=direct"],
+                   check=True, capture_output=True)
+    seconds = time.monotonic() - t
+    path.unlink()
+    return round(gib * 2**30 / seconds / 1e9, 2)
+
+
+async def ours(gib: float, root: Path, backend: LocalBackend) -> dict:
+    h = Holder(gib, root)
+    before = h.checksum()
+    server = Server(user="bench", name=f"g{gib:g}", state={"pid": h.pid})
+    t = time.monotonic()
+    info = await backend.checkpoint(server)
+    time_to_disk = time.monotonic() - t
+    h.reap()
+    cold = drop_caches()
+    t = time.monotonic()
+    pid, _, _ = await backend.restore(info)
+    restore_s = time.monotonic() - t
+    after = h.checksum(pid)
+    kill(pid)
+    return {
+        "gpu_bytes": info.gpu_bytes,
+        "image_bytes": info.image_bytes,
+        "time_to_gpu_free_s": round(info.extra.get("time_to_gpu_free_s") or 0, 3),
+        "time_to_disk_s": round(time_to_disk, 3),
+        "restore_s": round(restore_s, 3),
+        "intact": before == after,
+        "cold_cache": cold,
+    }
+
+
+async def bare(gib: float, root: Path, criu: str) -> dict:
+    h = Holder(gib, root)
+    before = h.checksum()
+    cuda = CudaCheckpoint()
+    if not cuda.available():
+        sys.exit(f"CUDA driver checkpoint API unavailable: {cuda.reason}")
+    images = Path(tempfile.mkdtemp(dir=root, prefix="bare-"))
+    t = time.monotonic()
+    await asyncio.to_thread(cuda.lock, h.pid, 0)
+    await asyncio.to_thread(cuda.checkpoint, h.pid)
+    driver_ckpt = time.monotonic() - t
+    t = time.monotonic()
+    subprocess.run([criu, "dump", "-t", str(h.pid), "-D", str(images)], check=True, capture_output=True)
+    criu_dump = time.monotonic() - t
+    h.reap()
+    image_bytes = sum(p.stat().st_size for p in images.iterdir())
+    drop_caches()
+    pidfile = images / "restore.pid"
+    t = time.monotonic()
+    subprocess.run([criu, "restore", "-D", str(images), "-d", "--pidfile", str(pidfile)], check=True,
+                   capture_output=True)
+    criu_restore = time.monotonic() - t
+    pid = int(pidfile.read_text())
+    t = time.monotonic()
+    await asyncio.to_thread(cuda.restore, pid)
+    await asyncio.to_thread(cuda.unlock, pid)
+    driver_restore = time.monotonic() - t
+    after = h.checksum(pid)
+    kill(pid)
+    shutil.rmtree(images, ignore_errors=True)
+    return {
+        "bare_image_bytes": image_bytes,
+        "driver_checkpoint_s": round(driver_ckpt, 3),
+        "criu_dump_s": round(criu_dump, 3),
+        "criu_restore_s": round(criu_restore, 3),
+        "driver_restore_s": round(driver_restore, 3),
+        "bare_suspend_s": round(driver_ckpt + criu_dump, 3),
+        "bare_restore_s": round(criu_restore + driver_restore, 3),
+        "bare_intact": before == after,
+    }
+
+
+async def main(sizes: list[float], root: Path) -> None:
+    criu = find_criu()
+    if not criu:
+        sys.exit("criu not found: install it with .ci/install-criu.sh")
+    root.mkdir(parents=True, exist_ok=True)
+    backend = LocalBackend(checkpoint_dir=str(root / "checkpoints"), criu_path=criu, min_free_bytes=0, keep_last=1)
+    await backend.setup()
+    disk = disk_write_gbps(root)
+    rows = []
+    for gib in sizes:
+        row = {"gib": gib, **await ours(gib, root, backend), **await bare(gib, root, criu)}
+        row["gpu_free_ratio"] = round(row["time_to_gpu_free_s"] / row["driver_checkpoint_s"], 3)
+        row["disk_ratio"] = round(row["time_to_disk_s"] / row["bare_suspend_s"], 3)
+        row["restore_ratio"] = round(row["restore_s"] / row["bare_restore_s"], 3)
+        row["disk_write_GBps"] = disk
+        rows.append(row)
+        print(f"{gib:g} GiB done: {row}", flush=True)
+        for c in await backend.list("bench"):
+            await backend.delete(c.id)
+    print_table(rows, COLUMNS)
+    print(f"disk write {disk} GB/s (O_DIRECT)")
+    about = machine()
+    for row in rows:
+        row["machine"] = about
+    path = results_dir() / "gpu_suspend.json"
+    path.write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("sizes", nargs="*", type=float, default=[1, 8, 24])
+    p.add_argument("--dir", default="/var/tmp/gpusnap-bench")
+    a = p.parse_args()
+    asyncio.run(main(a.sizes, Path(a.dir)))

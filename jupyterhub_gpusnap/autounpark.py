@@ -1,0 +1,114 @@
+"""Resume a parked kernel's GPU memory as soon as the user runs a cell.
+
+Runs inside the single-user server (loaded by the gpusnap server extension). Parking
+checkpoints a kernel's CUDA state into host memory while the process keeps running; a
+CUDA call it makes meanwhile simply waits. When a cell starts, the kernel reports
+``execution_state == "busy"``; this watcher sees that within ``interval`` seconds and
+restores and unlocks the kernel's CUDA processes, so the waiting call goes on.
+
+The kernels run as the same user as the server, which is all the driver's checkpoint
+API asks of the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import psutil
+from traitlets import Float
+from traitlets.config import LoggingConfigurable
+
+PARKED_STATES = ("checkpointed", "locked")
+
+
+def kernel_pid(kernel) -> int | None:
+    """The pid of a jupyter_server kernel (local provisioner), or None."""
+    provisioner = getattr(kernel, "provisioner", None)
+    pid = getattr(provisioner, "pid", None)
+    if pid:
+        return int(pid)
+    proc = getattr(provisioner, "process", None) or getattr(kernel, "kernel", None)
+    return getattr(proc, "pid", None)
+
+
+def process_tree(pid: int) -> list[int]:
+    try:
+        root = psutil.Process(pid)
+        return [pid] + [c.pid for c in root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+class AutoUnpark(LoggingConfigurable):
+    """Watches the server's kernels and unparks any that go busy while parked."""
+
+    interval = Float(
+        0.1,
+        help="Seconds between two looks at the kernels' execution state. A parked kernel's first "
+        "CUDA call waits at most this long plus the driver's restore time.",
+    ).tag(config=True)
+
+    def __init__(self, kernel_manager, cuda=None, **kwargs):
+        super().__init__(**kwargs)
+        self.kernel_manager = kernel_manager
+        if cuda is None:
+            from .checkpoint.cuda import CudaCheckpoint
+
+            cuda = CudaCheckpoint(parent=self)
+        self.cuda = cuda
+        self.unparks: list[dict] = []  # recent unparks: kernel, seconds, at (shown by the Lab panel)
+        self._task: asyncio.Task | None = None
+
+    def parked_pids(self, pid: int) -> list[int]:
+        return [p for p in process_tree(pid) if self.cuda.state(p) in PARKED_STATES]
+
+    def parked_kernels(self) -> dict[str, list[int]]:
+        """Kernel id → its parked CUDA pids (for the status endpoint)."""
+        out = {}
+        for kid in list(self.kernel_manager.list_kernel_ids()):
+            pid = kernel_pid(self.kernel_manager.get_kernel(kid))
+            if pid:
+                pids = self.parked_pids(pid)
+                if pids:
+                    out[kid] = pids
+        return out
+
+    async def check_once(self) -> list[str]:
+        """Unpark every busy kernel that is parked; return their ids."""
+        done = []
+        for kid in list(self.kernel_manager.list_kernel_ids()):
+            kernel = self.kernel_manager.get_kernel(kid)
+            if getattr(kernel, "execution_state", None) != "busy":
+                continue
+            pid = kernel_pid(kernel)
+            if not pid:
+                continue
+            pids = await asyncio.to_thread(self.parked_pids, pid)
+            if not pids:
+                continue
+            t0 = time.perf_counter()
+            resumed = await self.cuda.resume(pids)
+            seconds = time.perf_counter() - t0
+            self.log.info("gpusnap: kernel %s went busy while parked; GPU memory back in %.2fs (pids %s)",
+                          kid, seconds, resumed)
+            self.unparks = (self.unparks + [{"kernel": kid, "seconds": round(seconds, 3), "at": time.time()}])[-10:]
+            done.append(kid)
+        return done
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.check_once()
+            except Exception as e:  # never take the server down
+                self.log.warning("gpusnap: auto-unpark check failed: %s", e)
+            await asyncio.sleep(self.interval)
+
+    def start(self) -> None:
+        if self._task is None and self.cuda.available():
+            self._task = asyncio.ensure_future(self.run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None

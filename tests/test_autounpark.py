@@ -1,0 +1,64 @@
+"""Auto-unpark in the single-user server: a parked kernel that goes busy gets its GPU memory back.
+
+Real kernels (jupyter_server's kernel manager, ipykernel); the CUDA driver is the ctypes-level
+fake of tests/test_cuda_absent.py (no GPU here); tests/test_gpu.py covers the real driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
+from test_cuda_absent import CHECKPOINTED, LOCKED, RUNNING, FakeLibcuda
+
+from jupyterhub_gpusnap.autounpark import AutoUnpark, kernel_pid
+from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
+
+log = logging.getLogger("test")
+
+
+async def wait_state(km, kid, state, timeout=30):
+    for _ in range(int(timeout / 0.05)):
+        if km.get_kernel(kid).execution_state == state:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"kernel never became {state}")
+
+
+async def test_busy_parked_kernel_is_unparked_and_idle_ones_are_not(tmp_path):
+    km = AsyncMappingKernelManager(root_dir=str(tmp_path))
+    busy_id = await km.start_kernel()
+    idle_id = await km.start_kernel()
+    try:
+        busy_pid = kernel_pid(km.get_kernel(busy_id))
+        idle_pid = kernel_pid(km.get_kernel(idle_id))
+        driver = FakeLibcuda([busy_pid, idle_pid])
+        driver.states[busy_pid] = LOCKED  # parked: locked and checkpointed
+        driver.states[busy_pid] = CHECKPOINTED
+        driver.states[idle_pid] = CHECKPOINTED
+        watcher = AutoUnpark(km, cuda=CudaCheckpoint(driver=driver, log=log), log=log)
+        assert watcher.parked_kernels() == {busy_id: [busy_pid], idle_id: [idle_pid]}
+        assert await watcher.check_once() == []  # nobody is running a cell
+
+        client = km.get_kernel(busy_id).client()
+        client.start_channels()
+        client.execute("import time; time.sleep(3)")
+        await wait_state(km, busy_id, "busy")
+        assert await watcher.check_once() == [busy_id]
+        assert driver.states[busy_pid] == RUNNING
+        assert driver.states[idle_pid] == CHECKPOINTED  # the idle kernel stays parked
+        assert watcher.unparks[-1]["kernel"] == busy_id
+        assert await watcher.check_once() == []  # idempotent: nothing left to do
+        client.stop_channels()
+    finally:
+        await km.shutdown_all()
+
+
+async def test_without_a_driver_nothing_runs(tmp_path):
+    km = AsyncMappingKernelManager(root_dir=str(tmp_path))
+    watcher = AutoUnpark(km, log=log)  # the real CUDA layer: no libcuda on this machine
+    assert not watcher.cuda.available()
+    watcher.start()
+    assert watcher._task is None
+    assert watcher.parked_kernels() == {}
