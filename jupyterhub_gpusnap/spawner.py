@@ -48,7 +48,13 @@ LAUNCHER = (
     "os.dup2(null, 0); os.dup2(fd, 1); os.dup2(fd, 2); os.close(fd); os.close(null); "
     "os.execvp(sys.argv[2], sys.argv[2:])"
 )
-STATE_KEY = "gpusnap"  # the checkpoint a suspended server restores from
+STATE_KEY = "gpusnap"
+
+
+async def super_maybe(result):
+    """Await what a base class returned if it is awaitable (Spawner.delete_forever may be either)."""
+    if hasattr(result, "__await__"):
+        await result  # the checkpoint a suspended server restores from
 
 
 def human_bytes(n: int) -> str:
@@ -129,6 +135,18 @@ class SnapSpawnerMixin(LocalProcessSpawner):
         if progress is not None:
             event["progress"] = progress
         self._events.append(event)
+
+    async def delete_forever(self) -> None:
+        """The user or named server is deleted: delete its checkpoints too (they hold its memory)."""
+        await super_maybe(super().delete_forever())
+        deleted = 0
+        for info in await self.backend.list(self.user.name):
+            if info.server_name == self.name:
+                await self.backend.delete(info.id)
+                deleted += 1
+        self.snapshot = {}
+        if deleted:
+            self.log.info("%s: deleted with its %d checkpoint(s)", self.server_key, deleted)
 
     # ------------------------------------------------------------------ state
     def load_state(self, state: dict) -> None:
