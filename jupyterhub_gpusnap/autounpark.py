@@ -112,3 +112,16 @@ class AutoUnpark(LoggingConfigurable):
         if self._task is not None:
             self._task.cancel()
             self._task = None
+
+
+def _jupyter_server_extension_points():
+    return [{"module": "jupyterhub_gpusnap.autounpark"}]
+
+
+def _load_jupyter_server_extension(serverapp) -> None:
+    """Start the watcher in a single-user server (enabled with the gpusnap server extension)."""
+    watcher = AutoUnpark(serverapp.kernel_manager, parent=serverapp, log=serverapp.log)
+    serverapp.web_app.settings["gpusnap_autounpark"] = watcher
+    watcher.start()
+    if watcher._task is None:
+        serverapp.log.info("gpusnap: auto-unpark off (no CUDA driver checkpoint API here)")

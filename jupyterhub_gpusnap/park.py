@@ -74,7 +74,13 @@ async def park(
     if not cuda.available():
         await cuda.suspend(pids)  # logs once why GPU checkpointing is off
         return ParkResult()
-    gpu_bytes = await asyncio.to_thread(cuda.gpu_memory_of, pids)
+    held = await asyncio.to_thread(cuda.gpu_memory_by_pid, pids)
+    if held:
+        # Only processes holding GPU memory (and those already parked): a process that merely
+        # loaded the driver — the single-user server running auto-unpark — must stay unlocked
+        # so that it can unpark its kernels.
+        pids = [p for p in pids if p in held or cuda.state(p) in ("checkpointed", "locked")]
+    gpu_bytes = sum(held.values())
     check_host_memory(gpu_bytes, psutil.virtual_memory().available, host_margin_bytes)
     start = time.perf_counter()
     moved = await cuda.suspend(pids, lock_timeout_ms)

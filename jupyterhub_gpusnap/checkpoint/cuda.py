@@ -442,6 +442,17 @@ class CudaCheckpoint(LoggingConfigurable):
         self.nvml.open()
         return self.nvml
 
+    def gpu_memory_by_pid(self, pids: list[int]) -> dict[int, int]:
+        """GPU memory (bytes) of each of ``pids`` with a GPU context, over all GPUs; {} without NVML.
+
+        A pid with a context whose usage NVML cannot tell is present with 0 bytes.
+        """
+        out: dict[int, int] = {}
+        for per_pid in self._nvml().process_memory(list(pids)).values():
+            for pid, used in per_pid.items():
+                out[pid] = out.get(pid, 0) + used
+        return out
+
     def gpu_memory_of(self, pids: list[int]) -> int:
         """GPU memory (bytes) held by ``pids`` now, from NVML; 0 without NVML."""
         nv = self._nvml()
