@@ -42,6 +42,7 @@ c.JupyterHub.services.append({{
     "url": "http://127.0.0.1:{self.port}",
     "api_token": {self.token!r},
     "oauth_no_confirm": True,
+    "oauth_client_allowed_scopes": ["custom:gpusnap:read", "custom:gpusnap:admin"],
 }})
 c.JupyterHub.custom_scopes = {CUSTOM_SCOPES!r}
 c.JupyterHub.load_roles = [

@@ -19,6 +19,7 @@ c.JupyterHub.spawner_class = "jupyterhub_gpusnap.spawner.SnapSimpleLocalProcessS
 c.SimpleLocalProcessSpawner.home_dir_template = "@ROOT@/home/{username}"
 c.Spawner.args = ["--allow-root"]
 c.Spawner.default_url = "/lab"
+c.Spawner.environment = {"GPUSNAP_SERVICE_URL": "http://127.0.0.1:@PORT@/services/gpusnap/"}
 c.LocalBackend.checkpoint_dir = "@ROOT@/checkpoints"
 
 # The user's return restores the server by itself, with the "suspended … restoring" page.
@@ -36,6 +37,7 @@ c.JupyterHub.services = [
         "command": ["@PYTHON@", "-m", "jupyterhub_gpusnap.app", "--config", "@ROOT@/gpusnap_config.py"],
         "cwd": "@ROOT@",
         "oauth_no_confirm": True,
+        "oauth_client_allowed_scopes": ["custom:gpusnap:read", "custom:gpusnap:admin"],
         "display": True,
         "info": {"description": "Where your notebook server stands: active, idle, suspended, restored."},
     }

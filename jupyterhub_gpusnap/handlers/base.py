@@ -42,7 +42,8 @@ class BaseHandler(HubOAuthenticated, web.RequestHandler):
     def hub_auth(self):
         auth = self.settings.get("hub_auth")
         if auth is None:
-            auth = self.settings["hub_auth"] = HubOAuth(cache_max_age=60)
+            # the same instance as HubOAuthCallbackHandler's: the login's PKCE verifier lives there
+            auth = self.settings["hub_auth"] = HubOAuth.instance(cache_max_age=60)
         return auth
 
     async def prepare(self):

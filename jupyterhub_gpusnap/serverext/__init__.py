@@ -1,0 +1,47 @@
+"""The jupyter-server extension behind the Lab panel.
+
+It adds ``GET /gpusnap/status``, ``POST /gpusnap/keep`` and ``POST /gpusnap/suspend`` under the
+single-user server's base_url. Each one calls the gpusnap service for *this* server
+(``JUPYTERHUB_USER`` / ``JUPYTERHUB_SERVER_NAME``) with the server's own Hub token, so the browser
+never needs a token for the service. Enable it with
+``jupyter server extension enable jupyterhub_gpusnap.serverext`` (pip installs the config file that
+does this).
+"""
+
+from __future__ import annotations
+
+from .client import GpuSnapClient, service_url_from_env
+from .handlers import handlers
+
+
+def _jupyter_server_extension_points() -> list[dict]:
+    return [{"module": "jupyterhub_gpusnap.serverext"}]
+
+
+def _load_jupyter_server_extension(serverapp) -> None:
+    """Register the handlers; called once by jupyter-server at start-up."""
+    client = GpuSnapClient(parent=serverapp, log=serverapp.log)
+    web_app = serverapp.web_app
+    web_app.settings["gpusnap_client"] = client
+    base_url = web_app.settings.get("base_url", "/")
+    web_app.add_handlers(".*$", handlers(base_url))
+    # a parked kernel that runs a cell gets its GPU memory back by itself
+    from ..autounpark import _load_jupyter_server_extension as start_autounpark
+
+    start_autounpark(serverapp)
+    if client.server_key is None:
+        serverapp.log.info(
+            "gpusnap: not running under JupyterHub (JUPYTERHUB_USER is unset); the Lab panel will say so"
+        )
+    else:
+        serverapp.log.info(
+            "gpusnap: %s talks to the gpusnap service at %s", client.server_key, client.service_url
+        )
+
+
+__all__ = [
+    "GpuSnapClient",
+    "service_url_from_env",
+    "_jupyter_server_extension_points",
+    "_load_jupyter_server_extension",
+]

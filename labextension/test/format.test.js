@@ -1,0 +1,103 @@
+// The status bar's words and the panel's numbers, from the pure functions in src/format.ts.
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const f = require('../lib/test-build/format.js');
+
+const NOW = Date.parse('2026-11-22T15:28:00Z');
+const TZ = 'UTC';
+
+function status(extra) {
+  return {
+    server: 'alice/', user: 'alice', name: '', state: 'active', state_since: null, running: true,
+    rule: 'default', reason: null, last_active: null, idle_seconds: 0, warn_at: null, suspend_at: null,
+    park_at: null, keep_until: null, exempt: false, max_keep_running: 28800, idle_window: 3600,
+    restored_at: null, checkpoint_id: null, failure: null, signals: {}, events: [], ...extra
+  };
+}
+
+test('durations read like people talk', () => {
+  assert.equal(f.formatDuration(45), '45 s');
+  assert.equal(f.formatDuration(12 * 60 + 5), '12 min');
+  assert.equal(f.formatDuration(3600 + 5 * 60), '1 h 05 min');
+  assert.equal(f.formatDuration(7200), '2 h');
+  assert.equal(f.formatDuration(3 * 86400 + 3600), '3 d 1 h');
+  assert.equal(f.formatDuration(-5), '0 s');
+});
+
+test('the countdown never goes negative', () => {
+  assert.equal(f.formatCountdown('2026-11-22T15:40:00Z', NOW), '12:00');
+  assert.equal(f.formatCountdown('2026-11-22T16:40:09Z', NOW), '1:12:09');
+  assert.equal(f.formatCountdown('2026-11-22T15:00:00Z', NOW), '0:00');
+  assert.equal(f.formatCountdown(null, NOW), '');
+});
+
+test('clock times name the day when it is not today', () => {
+  assert.equal(f.formatClock('2026-11-22T09:12:00Z', NOW, TZ), '09:12');
+  assert.equal(f.formatClock('2026-11-21T09:12:00Z', NOW, TZ), 'Sat 09:12');
+});
+
+test('sizes', () => {
+  assert.equal(f.formatBytes(2.5 * 1024 ** 3), '2.5 GiB');
+  assert.equal(f.formatBytes(340 * 1024 ** 2), '340 MiB');
+  assert.equal(f.formatBytes(512), '512 B');
+  assert.equal(f.formatBytes(null), '—');
+});
+
+test('status bar lines for each state', () => {
+  assert.equal(f.statusLine(status({}), NOW, TZ), 'GPU snapshot: active');
+  assert.equal(
+    f.statusLine(status({ state: 'idle', idle_seconds: 720, suspend_at: '2026-11-22T15:40:00Z' }), NOW, TZ),
+    'idle 12 min — suspends at 15:40'
+  );
+  assert.equal(
+    f.statusLine(status({ state: 'warned', idle_seconds: 720, suspend_at: '2026-11-22T15:40:00Z', keep_until: '2026-11-22T18:00:00Z' }), NOW, TZ),
+    'idle 12 min — kept running until 18:00'
+  );
+  assert.equal(
+    f.statusLine(status({ state: 'parked', state_since: '2026-11-22T14:02:00Z' }), NOW, TZ),
+    'parked: GPU memory in host RAM since 14:02'
+  );
+  const restored = status({
+    restored_at: '2026-11-22T15:20:00Z',
+    events: [
+      { id: 1, time: '2026-11-22T09:12:00Z', key: 'alice/', kind: 'suspend', detail: {} },
+      { id: 2, time: '2026-11-22T15:20:00Z', key: 'alice/', kind: 'restore', detail: {} }
+    ]
+  });
+  assert.equal(f.statusLine(restored, NOW, TZ), 'restored from snapshot of 09:12');
+  // right after a restore the server is idle, and the line still says where it came from
+  assert.equal(f.statusLine({ ...restored, state: 'idle', idle_seconds: 60 }, NOW, TZ), 'restored from snapshot of 09:12');
+  // later on, the idle countdown is back
+  const later = NOW + 3600 * 1000;
+  assert.equal(
+    f.statusLine({ ...restored, state: 'idle', idle_seconds: 600, suspend_at: '2026-11-22T16:40:00Z' }, later, TZ),
+    'idle 10 min — suspends at 16:40'
+  );
+  assert.equal(f.statusLine(status({ exempt: true }), NOW, TZ), 'GPU snapshot: exempt');
+  assert.equal(f.statusLine(null, NOW, TZ), 'GPU snapshot: not watched yet');
+});
+
+test('keep-running choices stay within the maximum', () => {
+  const choices = f.keepChoices(7200);
+  assert.deepEqual(choices.map(c => c.seconds), [1800, 3600, 7200]);
+  assert.match(choices[choices.length - 1].label, /maximum/);
+  assert.ok(f.keepChoices(28800).every(c => c.seconds <= 28800));
+  assert.deepEqual(f.keepChoices(0), []);
+});
+
+test('history shows restores with size and duration, newest first', () => {
+  const rows = f.history(
+    status({
+      events: [
+        { id: 1, time: '2026-11-22T09:12:00Z', key: 'alice/', kind: 'suspend', detail: { image_bytes: 2 * 1024 ** 3, gpu_bytes: 1024 ** 3 } },
+        { id: 2, time: '2026-11-22T09:13:00Z', key: 'alice/', kind: 'state', detail: {} },
+        { id: 3, time: '2026-11-22T15:00:00Z', key: 'alice/', kind: 'restore', detail: { image_bytes: 2 * 1024 ** 3, restore_s: 4.25 } }
+      ]
+    }),
+    NOW,
+    TZ
+  );
+  assert.equal(rows.length, 2);
+  assert.deepEqual(rows[0], { time: '15:00', what: 'restored', size: '2.0 GiB', took: '4.3 s' });
+  assert.deepEqual(rows[1], { time: '09:12', what: 'suspended', size: '2.0 GiB (GPU 1.0 GiB)', took: '' });
+});

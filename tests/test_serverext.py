@@ -1,0 +1,174 @@
+"""The jupyter-server extension behind the Lab panel, in a real single-user server.
+
+A real hub spawns alice's server with the extension enabled the way pip enables it (the
+jupyter_server_config.d file), next to the real gpusnap service; the tests call the extension
+through the proxy with alice's token, as the panel does with her session.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from gpusnap_service import GpuSnapService
+
+from jupyterhub_gpusnap.serverext import service_url_from_env
+
+pytestmark = pytest.mark.e2e
+
+PACKAGE = Path(__file__).resolve().parent.parent / "jupyterhub_gpusnap"
+
+SETTINGS = """
+c.GpuSnap.interval = 1
+c.GpuSnap.idle_window = 3600
+c.GpuSnap.min_running = 0
+c.GpuSnap.warn_before = 600
+c.GpuSnap.max_keep_running = 7200
+c.GpuSnap.action = "stop"
+"""
+
+
+def jupyter_paths(root: Path) -> dict:
+    """JUPYTER_CONFIG_PATH / JUPYTER_PATH holding what `pip install` puts under sys.prefix:
+    the config file that enables the server extension, and the built Lab extension."""
+    config = root / "etc"
+    (config / "jupyter_server_config.d").mkdir(parents=True, exist_ok=True)
+    shutil.copy(
+        PACKAGE / "serverext" / "etc" / "jupyterhub_gpusnap.json",
+        config / "jupyter_server_config.d" / "jupyterhub_gpusnap.json",
+    )
+    data = root / "share"
+    (data / "labextensions").mkdir(parents=True, exist_ok=True)
+    link = data / "labextensions" / "jupyterhub-gpusnap"
+    if not link.exists():
+        link.symlink_to(PACKAGE / "labextension", target_is_directory=True)
+    return {"JUPYTER_CONFIG_PATH": str(config), "JUPYTER_PATH": str(data)}
+
+
+def spawner_environment(service: GpuSnapService, root: Path, **extra: str) -> str:
+    """c.Spawner.environment: the extension's files, and where the service is."""
+    env = jupyter_paths(root)
+    env.update(extra)
+    env["GPUSNAP_SERVICE_URL"] = f"http://127.0.0.1:{service.port}/services/gpusnap/"
+    return f"c.Spawner.environment = {env!r}\n"
+
+
+@pytest.fixture
+async def hub_and_service(hub_factory, tmp_path):
+    service = GpuSnapService(tmp_path / "gpusnap", SETTINGS)
+    hub = await hub_factory(
+        service.hub_config() + spawner_environment(service, tmp_path / "jupyter")
+    )
+    await hub.start_server("alice")
+    await service.start(hub)
+    yield hub, service
+    await service.stop()
+
+
+async def watched(hub, service, user="alice"):
+    async def seen():
+        code, data = await hub.user_request(user, "gpusnap/status")
+        return data if code == 200 else None
+
+    return await service.wait_for(
+        seen, what=f"{user}'s server to be watched, through the extension"
+    )
+
+
+async def stop_recorded(service: GpuSnapService, key: str) -> bool:
+    code, data = await service.api("GET", f"api/events?server={key}")
+    assert code == 200, data
+    return "stop" in [e["kind"] for e in data["events"]]
+
+
+async def last_activity(hub, user="alice") -> str:
+    code, data = await hub.user_request(user, "api/status?no_track_activity=1")
+    assert code == 200, data
+    return data["last_activity"]
+
+
+async def test_status_keep_suspend_and_no_activity_through_the_extension(hub_and_service):
+    hub, service = hub_and_service
+    status = await watched(hub, service)
+    assert status["server"] == "alice/"
+    assert status["state"] in ("active", "idle"), status
+    assert status["running"] is True
+    assert status["max_keep_running"] == 7200
+    assert isinstance(status["events"], list)
+    assert "kernels" in status["signals"]
+
+    # the panel's polling is not activity: /api/status's last_activity does not move
+    before = await last_activity(hub)
+    for _ in range(25):
+        code, data = await hub.user_request("alice", "gpusnap/status")
+        assert code == 200, data
+    code, _ = await hub.user_request("alice", "gpusnap/keep", "POST", {"seconds": 60})
+    assert code == 200
+    assert await last_activity(hub) == before
+    # the same check does see real API use, so it can fail
+    code, _ = await hub.user_request("alice", "api/contents")
+    assert code == 200
+    assert await last_activity(hub) != before
+
+    # keep running, clamped by the service to the admin's maximum
+    code, kept = await hub.user_request("alice", "gpusnap/keep", "POST", {"seconds": 10**6})
+    assert code == 200, kept
+    assert kept["keep_until"] is not None
+    direct = await service.server_status("alice/")
+    assert direct["keep_until"] == kept["keep_until"]
+
+    # the service's own 400 comes back with its message
+    code, bad = await hub.user_request("alice", "gpusnap/keep", "POST", {"seconds": "soon"})
+    assert code == 400 and "seconds" in bad["message"], bad
+
+    # without a login the extension refuses, like any jupyter-server API
+    code, _ = await hub.user_request("alice", "gpusnap/status", token="not-a-token")
+    assert code in (302, 403), code
+    # bob may not use alice's server (the Hub's own access rules)
+    bob = await hub.user_token("bob")
+    code, _ = await hub.user_request("alice", "gpusnap/status", token=bob)
+    assert code in (302, 403, 404), code
+
+    # suspend now: with action "stop" the service stops the server
+    code, data = await hub.user_request("alice", "gpusnap/suspend", "POST", {})
+    assert code == 202, data
+
+    async def stopped():
+        return await hub.get_server("alice") is None
+
+    await service.wait_for(stopped, what="alice's server to stop after suspend-now")
+    await service.wait_for(lambda: stop_recorded(service, "alice/"), what="the stop to be recorded")
+
+
+async def test_unreachable_service_names_the_fix(hub_factory, tmp_path):
+    hub = await hub_factory(
+        "c.Spawner.environment = "
+        + repr(
+            {
+                **jupyter_paths(tmp_path / "jupyter"),
+                "GPUSNAP_SERVICE_URL": "http://127.0.0.1:9/services/gpusnap/",
+            }
+        )
+    )
+    await hub.start_server("alice")
+    code, data = await hub.user_request("alice", "gpusnap/status")
+    assert code == 502
+    assert "GPUSNAP_SERVICE_URL" in data["message"] and data["server"] == "alice/"
+
+
+def test_service_url_from_env():
+    assert service_url_from_env({"GPUSNAP_SERVICE_URL": "http://x:1/s/g"}) == "http://x:1/s/g/"
+    assert (
+        service_url_from_env(
+            {
+                "JUPYTERHUB_PUBLIC_URL": "https://hub.example.org/",
+                "JUPYTERHUB_API_URL": "http://hub:8081/hub/api",
+            }
+        )
+        == "https://hub.example.org/services/gpusnap/"
+    )
+    assert (
+        service_url_from_env({"JUPYTERHUB_API_URL": "http://proxy:8000/hub/api"}, "snap")
+        == "http://proxy:8000/services/snap/"
+    )
