@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import socket
@@ -10,13 +11,22 @@ import stat
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
 
 from jupyterhub_gpusnap.checkpoint import CheckpointError, CheckpointRefused
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend, encode_name, is_alive, is_frozen
-from jupyterhub_gpusnap.checkpoint.manifest import MANIFEST, Manifest
+from jupyterhub_gpusnap.checkpoint.manifest import (
+    MANIFEST,
+    Manifest,
+    Writeback,
+    check_complete,
+    seal_image,
+    verify_checkpoint,
+    verify_image,
+)
 from jupyterhub_gpusnap.model import Server
 
 pytestmark = pytest.mark.criu
@@ -109,7 +119,7 @@ async def test_failed_verification_never_kills(backend, process_tree, tmp_path):
     assert await backend.latest("alice", "") is None
 
 
-async def test_corrupt_image_is_never_restored(backend, process_tree):
+async def test_corrupt_pages_are_caught_after_criu_and_the_tree_killed(backend, process_tree):
     tree = process_tree(pidns=True)
     await tree.wait_ready()
     info = await backend.checkpoint(server_of(tree))
@@ -121,8 +131,187 @@ async def test_corrupt_image_is_never_restored(backend, process_tree):
     pages.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=rf"damaged: {pages.name}: sha256"):
         await backend.restore(info)
+    # CRIU ran (concurrently with the pages' checksums) and restored the tree ...
+    (log,) = folder.glob("restore-*.log")
+    assert "Restore finished successfully" in log.read_text(errors="replace")
+    # ... which was killed before the server was handed back
+    assert not tree_processes(tree)
+    assert not listening(tree.port)
+    assert backend.restored == {}
+    assert Manifest.load(folder).status == "verified"  # the caller marks it failed
+
+
+async def test_a_corrupt_small_file_stops_the_restore_before_criu(backend, process_tree):
+    tree = process_tree(pidns=True)
+    await tree.wait_ready()
+    info = await backend.checkpoint(server_of(tree))
+    tree.proc.wait()
+    folder = backend.folder(info.id)
+    core = next(folder.glob("core-*.img"))
+    data = bytearray(core.read_bytes())
+    data[-1] ^= 0x01
+    core.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"damaged: {core.name}: sha256"):
+        await backend.restore(info)
     assert not list(folder.glob("restore-*.log"))  # criu never ran
     assert not listening(tree.port)
+
+
+@pytest.mark.parametrize("damage", ["rm -f $D/mm-*.img", ": > $(ls $D/core-*.img | head -1)"])
+async def test_an_incomplete_dump_is_not_verified_and_the_tree_resumes(
+    backend, process_tree, tmp_path, damage
+):
+    tree = process_tree(pidns=True)
+    await tree.wait_ready()
+    before = await tree.ask("inc")
+    backend.dump_extra_args = [
+        "--action-script",
+        action_script(tmp_path, f'D="$CRTOOLS_IMAGE_DIR"; {damage}'),
+    ]
+    with pytest.raises(
+        CheckpointError, match=r"(?s)verification failed.*(mm-|core-).*keeps running"
+    ):
+        await backend.checkpoint(server_of(tree))
+    assert is_alive(tree.pid) and not is_frozen(tree.pid)
+    after = await tree.ask("inc")
+    assert after["count"] == before["count"] + 1 and after["secret"] == before["secret"]
+    (found,) = await backend.list("alice")
+    assert found.status == "failed" and ("mm-" in found.error or "empty" in found.error)
+    assert await backend.latest("alice", "") is None
+
+
+async def test_read_back_verification_and_a_durable_sealed_image(backend, process_tree):
+    tree = process_tree(pidns=True)
+    await tree.wait_ready()
+    before = await tree.ask("inc")
+    backend.verify_read_back = True
+    backend.chunk_bytes = 1 << 16  # several chunks per pages file
+    info = await backend.checkpoint(server_of(tree))
+    tree.proc.wait()
+    folder = backend.folder(info.id)
+    m = Manifest.load(folder)
+    assert m.verification == "read-back" and m.chunk_bytes == 1 << 16
+    assert m.sizes == {n: (folder / n).stat().st_size for n in m.files}
+    assert m.image_bytes == sum(m.sizes.values()) and m.seal_seconds is not None
+    assert check_complete(folder) == []
+    pages = max(folder.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    assert m.sizes[pages.name] > 2 * m.chunk_bytes
+    assert m.files[pages.name] == chunked_sha256(pages.read_bytes(), m.chunk_bytes)
+    assert verify_checkpoint(folder) == []
+    await restore_and_track(backend, tree, info)
+    assert (await tree.ask("get"))["count"] == before["count"]
+
+
+def chunked_sha256(data: bytes, chunk: int) -> str:
+    """The manifest's checksum, computed independently: sha256 over the chunks' digests."""
+    pieces = [data[i : i + chunk] for i in range(0, max(len(data), 1), chunk)]
+    return hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in pieces)).hexdigest()
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_chunked_checksums_round_trip(tmp_path, threads):
+    chunk = 1024
+    folder = tmp_path / "img"
+    folder.mkdir()
+    contents = {
+        "inventory.img": os.urandom(86),
+        "pstree.img": os.urandom(30),
+        "pages-1.img": os.urandom(5 * chunk + 7),
+        "pages-2.img": os.urandom(chunk),
+        "pages-3.img": b"",
+        "core-1.img": os.urandom(chunk - 1),
+    }
+    for name, data in contents.items():
+        (folder / name).write_bytes(data)
+    (folder / "dump.log").write_text("not an image file\n")
+    with ThreadPoolExecutor(threads) as pool:
+        files, sizes, total = seal_image(folder, pool, chunk)
+        assert files == {n: chunked_sha256(d, chunk) for n, d in contents.items()}
+        assert sizes == {n: len(d) for n, d in contents.items()}
+        assert total == sum(sizes.values())
+        assert all(stat.S_IMODE((folder / n).stat().st_mode) == 0o600 for n in contents)
+
+        m = Manifest(user="alice", server="", created=1.0, files=files, sizes=sizes)
+        m.chunk_bytes = chunk
+        m.save(folder)
+        back = Manifest.load(folder)
+        assert (back.files, back.sizes, back.chunk_bytes) == (files, sizes, chunk)
+        kw = {"chunk_bytes": chunk, "sizes": sizes, "pool": pool}
+        assert verify_image(folder, back.files, **kw) == []
+
+        # one flipped bit in the last chunk of a file is found, and only there
+        data = bytearray(contents["pages-1.img"])
+        data[-1] ^= 0x80
+        (folder / "pages-1.img").write_bytes(bytes(data))
+        (problem,) = verify_image(folder, files, **kw)
+        assert problem.startswith("pages-1.img: sha256")
+        # names= limits the checksums, not the inventory
+        assert verify_image(folder, files, names=["core-1.img"], **kw) == []
+        (folder / "pages-2.img").unlink()
+        assert verify_image(folder, files, names=["core-1.img"], **kw) == ["pages-2.img: missing"]
+        (folder / "pages-3.img").write_bytes(b"x")
+        assert "pages-3.img: 1 bytes, 0 recorded" in verify_image(folder, files, **kw)
+
+    # manifests from before chunking (chunk_bytes 0): the plain sha256 of each file
+    whole = {
+        n: hashlib.sha256((folder / n).read_bytes()).hexdigest()
+        for n in ["core-1.img", "inventory.img", "pstree.img"]
+    }
+    (folder / "pages-1.img").unlink()
+    (folder / "pages-3.img").unlink()
+    assert verify_image(folder, whole) == []
+
+
+def test_writeback_starts_the_disk_writes_of_growing_pages_files(tmp_path):
+    folder = tmp_path / "img"
+    folder.mkdir()
+    data = os.urandom(1 << 20)
+    with Writeback(folder, interval=0.01, min_bytes=1 << 20) as wb:
+        with open(folder / "pages-1.img", "wb") as f:
+            for _ in range(12):  # a file growing as CRIU writes it
+                f.write(data)
+                f.flush()
+                time.sleep(0.01)
+        (folder / "core-1.img").write_bytes(data)  # small files are left to the fsync
+        deadline = time.monotonic() + 30
+        while wb.requested < 12 << 20:
+            assert time.monotonic() < deadline, wb.requested
+            time.sleep(0.01)
+    assert wb.requested == 12 << 20
+    assert (folder / "pages-1.img").read_bytes() == data * 12  # nothing changed in the file
+
+
+def test_check_complete_needs_every_part_and_the_success_line(tmp_path):
+    folder = tmp_path / "img"
+    folder.mkdir()
+    for name in ["inventory.img", "pstree.img", "files.img", "fdinfo-2.img", "core-1.img",
+                 "mm-1.img", "pagemap-1.img", "pages-1.img"]:  # fmt: skip
+        (folder / name).write_bytes(b"\x01\x02\x03\x04")
+    log = folder / "dump.log"
+    log.write_text("(00.1) Writing stats\n(00.2) Dumping finished successfully\n")
+    assert check_complete(folder) == []
+    (folder / "pages-1.img").write_bytes(b"")  # a pages file may be empty
+    assert check_complete(folder) == []
+    log.write_text("(00.1) Error (criu/cr-dump.c:2100): Dumping FAILED.\n")
+    assert check_complete(folder) == ["dump.log: does not end with 'Dumping finished successfully'"]
+    log.write_text("(00.2) Dumping finished successfully\n")
+    (folder / "pagemap-1.img").unlink()
+    (folder / "files.img").write_bytes(b"")
+    assert check_complete(folder) == [
+        "pagemap-*.img: missing",
+        "files.img: empty",
+        "pagemap-1.img: missing (process 1 has mm-1.img)",
+    ]
+
+
+def tree_processes(tree) -> list[int]:
+    """Live processes running the test tree's program (any pid namespace)."""
+    script = str(tree.root / "tree.py")
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        if p.info["status"] != psutil.STATUS_ZOMBIE and script in (p.info["cmdline"] or []):
+            found.append(p.pid)
+    return found
 
 
 def listening(port: int) -> bool:

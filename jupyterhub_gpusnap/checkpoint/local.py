@@ -7,30 +7,61 @@ For single-machine hubs (LocalProcessSpawner, GPU boxes). One folder per checkpo
 
 A checkpoint goes: refuse early if it cannot work (CRIU, process, disk) → GPU memory
 to host memory (the GPU is free from here) → ``criu dump --leave-stopped`` (the tree
-stays frozen) → checksums, flushed and re-read → ``verified`` → only then the frozen
-tree is killed. Any failure before ``verified`` sends SIGCONT and resumes the GPU
-state: the server goes on and the image is kept, marked ``failed``, for diagnosis.
+stays frozen) → verified → only then the frozen tree is killed. Any failure before
+``verified`` sends SIGCONT and resumes the GPU state: the server goes on and the image
+is kept, marked ``failed``, for diagnosis.
+
+"Verified" means, before the frozen tree is killed: every file CRIU must write is there
+and non-empty, CRIU's log ends with its success line, every file's checksum is recorded
+in the manifest, and every file (and the folder) is ``fsync``'ed — the disk holds it.
+The checksums are taken from the page cache, in parallel (``hash_threads``), while the
+files are flushed, and the disk writes start while CRIU is still dumping
+(``writeback_during_dump``): a checkpoint costs little more than a bare ``criu dump``.
+The image is *not* read back from the disk: a disk that acknowledges an fsync and then
+returns other data is caught at restore, where every checksum is checked (the server then
+starts afresh and the image is kept, marked ``failed``). Admins who want the image read
+back from the disk before the processes end set ``verify_read_back = True`` (about one
+more full read of the image, from the disk, per checkpoint).
+
+A restore checks the manifest, every file's size and the checksums of the small files
+first (a damaged one stops it before CRIU runs), then runs ``criu restore`` while the
+same thread pool hashes the ``pages-*.img`` files: both read the same files, so the page
+cache makes it one read from the disk. If a checksum differs, the restored tree is
+killed before the server is handed back, and the restore fails (the spawner starts a
+fresh server). GPU memory is only restored once every checksum matched.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import quote, unquote
 
 import psutil
-from traitlets import Enum, Float, Integer, List, Unicode
+from traitlets import Bool, Enum, Float, Integer, List, Unicode
 
 from ..model import Server, server_key
 from . import criu
 from .base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
-from .manifest import MANIFEST, Manifest, checksum_image, verify_image
+from .manifest import (
+    CHUNK_BYTES,
+    MANIFEST,
+    Manifest,
+    Writeback,
+    check_complete,
+    drop_cached,
+    is_pages_file,
+    seal_image,
+    verify_image,
+)
 
 DEFAULT_NAME = "_default"
 _TS = "%Y%m%dT%H%M%S"
@@ -171,9 +202,44 @@ class LocalBackend(CheckpointBackend):
         help="Seconds to wait for a checkpointed (frozen) tree to disappear after SIGKILL.",
     ).tag(config=True)
 
+    hash_threads = Integer(
+        0,
+        help="""Threads that checksum image files (at checkpoint and at restore). 0: one per
+        CPU (os.cpu_count()). Hashing a 10 GB image takes about 10 CPU-seconds; lower this
+        on a hub whose cores are busy with other servers, at the cost of slower suspends.""",
+    ).tag(config=True)
+
+    chunk_bytes = Integer(
+        CHUNK_BYTES,
+        help="""Bytes per checksum chunk: each chunk of an image file is hashed on its own,
+        in parallel. Recorded in each manifest (changing it does not affect existing
+        checkpoints).""",
+    ).tag(config=True)
+
+    verify_read_back = Bool(
+        False,
+        help="""Before ending a checkpointed server's processes, also drop the image from
+        the page cache and read it all back from the disk to compare the checksums.
+        Off by default: the image is fsync'ed and checksummed from memory, and every
+        checksum is checked again at restore (a damaged image then fails the restore and
+        the user gets a fresh server, losing that state). Turn it on for disks you do not
+        trust to return what they acknowledged; each checkpoint then reads its whole
+        image once more from the disk (about image size / disk read speed).""",
+    ).tag(config=True)
+
+    writeback_during_dump = Bool(
+        True,
+        help="""Ask the kernel to start writing image files to the disk while CRIU is still
+        dumping (sync_file_range), so that the final fsync has little left to wait for.
+        Turn off only if it competes with other disk traffic you care more about.""",
+    ).tag(config=True)
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
+        self._pool_obj: ThreadPoolExecutor | None = None
+        self._criu_ok: dict[tuple[str, str], str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        self._active: set[str] = set()  # servers whose checkpoint() runs in this process
         self._cuda_obj = None
         self._cuda_missing = False
         self.restored: dict[int, criu.Restored] = {}
@@ -195,6 +261,25 @@ class LocalBackend(CheckpointBackend):
 
     def _id(self, folder: Path) -> str:
         return "/".join(folder.relative_to(self.root).parts)
+
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """The thread pool that hashes image chunks (``hash_threads`` threads)."""
+        if self._pool_obj is None:
+            n = self.hash_threads or os.cpu_count() or 1
+            self._pool_obj = ThreadPoolExecutor(max_workers=n, thread_name_prefix="gpusnap-hash")
+        return self._pool_obj
+
+    async def _require_criu(self) -> str:
+        """The CRIU version, checked once per binary (``criu --version`` costs a fork+exec);
+        refused at once if the binary has gone since."""
+        key = (self.criu_path, self.criu_min_version)
+        version = self._criu_ok.get(key)
+        if version is None or criu.find_criu(self.criu_path) is None or os.geteuid() != 0:
+            self._criu_ok.pop(key, None)
+            version = await criu.require_criu(self.criu_path, self.criu_min_version)
+            self._criu_ok[key] = version
+        return version
 
     def _lock(self, key: str) -> asyncio.Lock:
         return self._locks.setdefault(key, asyncio.Lock())
@@ -234,6 +319,8 @@ class LocalBackend(CheckpointBackend):
                 "time_to_gpu_free_s": m.time_to_gpu_free_s,
                 "dump_seconds": m.dump_seconds,
                 "restored_at": m.restored_at,
+                "restore_s": m.extra.get("restore_s"),
+                "seal_seconds": getattr(m, "seal_seconds", None),
             },
         )
 
@@ -283,22 +370,28 @@ class LocalBackend(CheckpointBackend):
         """Create checkpoint_dir, log what is missing, resolve checkpoints left ``writing``."""
         self._mkdir(self.root)
         try:
-            version = await criu.require_criu(self.criu_path, self.criu_min_version)
+            version = await self._require_criu()
             self.log.info("CRIU %s ready; checkpoints in %s", version, self.root)
         except CheckpointRefused as e:
             self.log.error("local checkpoints disabled until fixed: %s", e)
         cuda = self.cuda()
         if cuda is not None and not cuda.available():
             self.log.info("no CUDA checkpoint API on this host: CPU-only checkpoints")
+        elif cuda is not None:
+            try:  # open NVML now, not in the first suspension's time to a free GPU
+                await asyncio.to_thread(cuda.gpu_inventory)
+            except Exception as e:
+                self.log.info("no NVML on this host (%s): GPU memory left out of estimates", e)
         await self.recover()
 
     async def check(self, server: Server) -> None:
         """Refuse (:class:`CheckpointRefused`) when ``server`` cannot be checkpointed now."""
         await self._preflight(server)
 
-    async def _preflight(self, server: Server) -> tuple[str, list[int], int]:
-        """Checks before touching anything; returns (criu version, tree pids, estimate)."""
-        version = await criu.require_criu(self.criu_path, self.criu_min_version)
+    async def _preflight(self, server: Server) -> tuple[str, list[int], int, dict]:
+        """Checks before touching anything; returns (criu version, tree pids, estimate,
+        GPU inventory). Everything here runs before the GPU is freed: keep it quick."""
+        version = await self._require_criu()
         pid = server.pid
         if not pid:
             raise CheckpointRefused(
@@ -320,14 +413,14 @@ class LocalBackend(CheckpointBackend):
                 rss += psutil.Process(p).memory_info().rss
             except psutil.Error:
                 pass
-        gpu = 0
+        inventory: dict = {}
         cuda = self.cuda()
         if cuda is not None:
-            try:
-                gpu = await asyncio.to_thread(cuda.gpu_memory_of, pids)
+            try:  # one NVML pass: the estimate and the manifest's GPU facts
+                inventory = await asyncio.to_thread(cuda.gpu_inventory, pids)
             except Exception as e:  # no NVML: the estimate is CPU-only
-                self.log.debug("GPU memory of %s unknown: %s", server.key, e)
-        estimate = rss + gpu
+                self.log.debug("GPU inventory of %s unavailable: %s", server.key, e)
+        estimate = rss + int(inventory.get("gpu_bytes", 0))
         self._mkdir(self.root)
         free = shutil.disk_usage(self.root).free
         if free < estimate + self.min_free_bytes:
@@ -337,7 +430,7 @@ class LocalBackend(CheckpointBackend):
                 f"{self.min_free_bytes / 2**30:.1f} GiB (LocalBackend.min_free_bytes); "
                 "free space, move checkpoint_dir, or lower keep_last/max_age_days"
             )
-        return version, pids, estimate
+        return version, pids, estimate, inventory
 
     async def checkpoint(self, server: Server) -> CheckpointInfo:
         """Checkpoint, verify, then kill ``server``'s tree (see the module docstring).
@@ -353,7 +446,11 @@ class LocalBackend(CheckpointBackend):
 
     async def _locked_checkpoint(self, server: Server) -> CheckpointInfo:
         async with self._lock(server.key):
-            return await self._checkpoint(server)
+            self._active.add(server.key)
+            try:
+                return await self._checkpoint(server)
+            finally:
+                self._active.discard(server.key)
 
     def _log_orphan(self, key: str, task: asyncio.Task) -> None:
         """Retrieve the outcome of a checkpoint whose caller stopped waiting."""
@@ -365,7 +462,7 @@ class LocalBackend(CheckpointBackend):
 
     async def _checkpoint(self, server: Server) -> CheckpointInfo:
         t0 = time.monotonic()
-        version, pids, _ = await self._preflight(server)
+        version, pids, _, inv = await self._preflight(server)
         pid = server.pid
         created = time.time()
         stamp = datetime.fromtimestamp(created, timezone.utc).strftime(_TS)
@@ -374,31 +471,24 @@ class LocalBackend(CheckpointBackend):
             / f"{stamp}.{int(created * 1e6) % 1_000_000:06d}Z"
         )
         self._mkdir(folder)
-        ip, port = listen_address(pid)
         m = Manifest(
             user=server.user,
             server=server.name,
             created=created,
             criu_version=version,
             pid=pid,
-            ip=ip,
-            port=port,
             tcp_mode=self.tcp_mode,
             shell_job=criu.needs_shell_job(pid),
-            api_token=environ_of(pid, "JUPYTERHUB_API_TOKEN"),
+            gpu_model=inv.get("gpu_model", ""),
+            gpu_count=int(inv.get("gpu_count", 0)),
+            gpu_bytes=int(inv.get("gpu_bytes", 0)),
+            driver_version=inv.get("driver_version", ""),
         )
         m.extra["tree"] = pids
         cuda = self.cuda()
-        if cuda is not None:
-            try:
-                inv = await asyncio.to_thread(cuda.gpu_inventory, pids)
-                m.gpu_model = inv.get("gpu_model", "")
-                m.gpu_count = int(inv.get("gpu_count", 0))
-                m.gpu_bytes = int(inv.get("gpu_bytes", 0))
-                m.driver_version = inv.get("driver_version", "") or (cuda.driver_version() or "")
-            except Exception as e:
-                self.log.debug("GPU inventory for %s unavailable: %s", server.key, e)
-        m.save(folder)
+        # Not fsync'ed: it must outlive a crash of the service (recover() then resumes the
+        # tree); a crash of the machine loses the suspended GPU state anyway.
+        m.save(folder, durable=False)
         self.log.info(
             "%s: checkpoint %s writing (pid %s, %d processes)",
             server.key,
@@ -424,25 +514,28 @@ class LocalBackend(CheckpointBackend):
                 ) from e
         m.cuda_pids = cuda_pids
         m.time_to_gpu_free_s = round(time.monotonic() - t0, 3)
+        # What the GPU step does not need, read after it rather than before.
+        m.ip, m.port = listen_address(pid)
+        m.api_token = environ_of(pid, "JUPYTERHUB_API_TOKEN")
+        if cuda is not None and m.gpu_count and not m.driver_version:
+            m.driver_version = cuda.driver_version() or ""
         m.save(folder)
 
-        # 2. Dump the tree, leaving it frozen; 3. checksum and verify from disk.
+        # 2. Dump the tree, leaving it frozen; 3. verify: complete, checksummed, durable.
         try:
             t1 = time.monotonic()
-            await criu.dump(
-                pid,
-                folder,
-                criu=self.criu_path,
-                tcp=self.tcp_mode,
-                leave_stopped=True,
-                extra=self.dump_extra_args,
-                timeout=self.dump_timeout,
-            )
+            with Writeback(folder) if self.writeback_during_dump else contextlib.nullcontext():
+                await criu.dump(
+                    pid,
+                    folder,
+                    criu=self.criu_path,
+                    tcp=self.tcp_mode,
+                    leave_stopped=True,
+                    extra=self.dump_extra_args,
+                    timeout=self.dump_timeout,
+                )
             m.dump_seconds = round(time.monotonic() - t1, 3)
-            m.files, m.image_bytes = await asyncio.to_thread(checksum_image, folder)
-            problems = await asyncio.to_thread(verify_image, folder, m.files)
-            if problems:
-                raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
+            await self._verify_dump(folder, m)
             if not all(is_frozen(p) or not is_alive(p) for p in pids[:1]):
                 raise CheckpointError(f"process {pid} is no longer frozen after the dump")
         except Exception as e:
@@ -459,10 +552,37 @@ class LocalBackend(CheckpointBackend):
         # 4. Only now: the image is safe, the frozen tree can go.
         await self.kill_tree(pids)
         self.log.info(
-            "%s: checkpoint %s verified (%.1f MiB, GPU free after %.2fs, dump %.2fs); processes ended",
-            server.key, self._id(folder), m.image_bytes / 2**20, m.time_to_gpu_free_s, m.dump_seconds,
+            "%s: checkpoint %s verified (%.1f MiB, GPU free after %.2fs, dump %.2fs, "
+            "checksums and fsync %.2fs, %s); processes ended",
+            server.key, self._id(folder), m.image_bytes / 2**20, m.time_to_gpu_free_s,
+            m.dump_seconds, m.seal_seconds, m.verification,
         )  # fmt: skip
         return self.info(folder, m)
+
+    async def _verify_dump(self, folder: Path, m: Manifest) -> None:
+        """Make a finished dump "verified" (see the module docstring) or raise CheckpointError.
+
+        Fills ``files``, ``sizes``, ``chunk_bytes``, ``image_bytes`` and ``verification``.
+        """
+        t = time.monotonic()
+        problems = await asyncio.to_thread(check_complete, folder)
+        if problems:
+            raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
+        chunk = max(0, self.chunk_bytes)
+        m.files, m.sizes, m.image_bytes = await asyncio.to_thread(
+            seal_image, folder, self.pool, chunk
+        )
+        m.chunk_bytes = chunk
+        m.verification = "page-cache"
+        if self.verify_read_back:
+            await asyncio.to_thread(drop_cached, folder)
+            problems = await asyncio.to_thread(
+                verify_image, folder, m.files, chunk_bytes=chunk, sizes=m.sizes, pool=self.pool
+            )
+            if problems:
+                raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
+            m.verification = "read-back"
+        m.seal_seconds = round(time.monotonic() - t, 3)
 
     async def _fail(
         self, folder: Path, m: Manifest, key: str, pids: list[int], cuda_pids: list[int], why: str
@@ -555,14 +675,17 @@ class LocalBackend(CheckpointBackend):
     async def wait_settled(
         self, user: str, server_name: str, timeout: float, interval: float = 0.25
     ) -> CheckpointInfo | None:
-        """Wait (at most ``timeout`` s) until no checkpoint of this server is ``writing``.
+        """Wait (at most ``timeout`` s) until no checkpoint of this server is ``writing``
+        (and, for one this backend runs, until its processes are ended).
 
         Returns the checkpoint still writing when time ran out, else None.
         """
         deadline = time.monotonic() + timeout
         while True:
             pending = await self.writing(user, server_name)
-            if pending is None or time.monotonic() > deadline:
+            # a checkpoint of this process is settled once its processes are ended too
+            busy = server_key(user, server_name) in self._active
+            if (pending is None and not busy) or time.monotonic() > deadline:
                 return pending
             await asyncio.sleep(interval)
 
@@ -639,32 +762,73 @@ class LocalBackend(CheckpointBackend):
     async def restore(self, info: CheckpointInfo, timeout: float = 600) -> tuple[int, str, int]:
         """Restore a verified checkpoint; return (pid, ip, port) of the running server.
 
-        Checks the checksums first; on any failure raises :class:`CheckpointError`
-        (the caller marks the checkpoint failed and starts afresh). On success the
-        checkpoint is marked ``restored``.
+        Checks sizes and the small files' checksums first, then runs CRIU while the
+        ``pages-*.img`` checksums are computed (see the module docstring). On any failure
+        raises :class:`CheckpointError` with nothing left running (the caller marks the
+        checkpoint failed and starts afresh). On success the checkpoint is marked
+        ``restored``.
         """
+        restore_started = time.time()
         folder = Path(info.location) if info.location else self.folder(info.id)
         m = Manifest.load(folder)
         key = server_key(m.user, m.server)
         if m.status != "verified":
             raise CheckpointError(f"{key}: checkpoint {info.id} is {m.status}, not verified")
-        await criu.require_criu(self.criu_path, self.criu_min_version)
-        problems = await asyncio.to_thread(verify_image, folder, m.files)
+        await self._require_criu()
+
+        def check(names):
+            return verify_image(
+                folder,
+                m.files,
+                chunk_bytes=m.chunk_bytes,
+                sizes=m.sizes,
+                names=names,
+                pool=self.pool,
+            )
+
+        def damaged(problems: list[str]) -> CheckpointError:
+            return CheckpointError(f"{key}: image {info.id} is damaged: " + "; ".join(problems[:5]))
+
+        small = [n for n in m.files if not is_pages_file(n)]
+        pages = [n for n in m.files if is_pages_file(n)]
+        problems = await asyncio.to_thread(check, small)
         if problems:
-            raise CheckpointError(f"{key}: image {info.id} is damaged: " + "; ".join(problems[:5]))
-        restored = await criu.restore(
-            folder,
-            folder / "restore.pid",
-            criu=self.criu_path,
-            tcp=m.tcp_mode,
-            shell_job=m.shell_job,
-            extra=self.restore_extra_args,
-            timeout=timeout,
-        )
+            raise damaged(problems)
+        hashing = asyncio.ensure_future(asyncio.to_thread(check, pages))
+        try:
+            restored = await criu.restore(
+                folder,
+                folder / "restore.pid",
+                criu=self.criu_path,
+                tcp=m.tcp_mode,
+                shell_job=m.shell_job,
+                extra=self.restore_extra_args,
+                timeout=timeout,
+            )
+        except CheckpointError as e:
+            # A damaged page file is the likelier cause of a failed restore: say so.
+            try:
+                problems = await hashing
+            except Exception:
+                problems = []
+            if problems:
+                raise damaged(problems) from e
+            raise
         self.restored[restored.pid] = restored
         for p, r in list(self.restored.items()):
             if r.reap() is not None:
                 self.restored.pop(p, None)
+        try:
+            problems = await asyncio.shield(hashing)
+        except Exception as e:
+            await self._end_restored(restored)
+            raise CheckpointError(f"{key}: cannot check image {info.id}: {e}") from e
+        except BaseException:  # cancelled: nobody will hand this tree out
+            await self._end_restored(restored)
+            raise
+        if problems:
+            await self._end_restored(restored)
+            raise damaged(problems)
         if m.cuda_pids and self.cuda() is not None:
             try:
                 await self.cuda().resume(tree_pids(restored.pid))
@@ -674,6 +838,7 @@ class LocalBackend(CheckpointBackend):
         m.status = "restored"
         m.restored_at = time.time()
         m.extra["restored_pid"] = restored.pid
+        m.extra["restore_s"] = round(m.restored_at - restore_started, 3)
         m.save(folder)
         self.log.info(
             "%s: checkpoint %s restored as pid %s on %s:%s",
@@ -684,6 +849,17 @@ class LocalBackend(CheckpointBackend):
             m.port,
         )
         return restored.pid, m.ip, m.port
+
+    async def _end_restored(self, restored: criu.Restored) -> None:
+        """Kill a restored tree that must not be handed out, and let its criu exit."""
+        await self.kill_tree(tree_pids(restored.pid))
+        try:
+            await asyncio.wait_for(asyncio.to_thread(restored.criu.wait), self.kill_timeout)
+        except asyncio.TimeoutError:
+            self.log.warning(
+                "criu restore (pid %s) still running after its tree was killed", restored.criu.pid
+            )
+        self.restored.pop(restored.pid, None)
 
     # ---------------------------------------------------------------- recovery
     async def recover(self) -> list[str]:
@@ -704,9 +880,9 @@ class LocalBackend(CheckpointBackend):
             dumped = _dump_finished(folder)
             if dumped and (frozen or not root_alive):
                 try:
-                    m.files, m.image_bytes = await asyncio.to_thread(checksum_image, folder)
-                    problems = await asyncio.to_thread(verify_image, folder, m.files)
-                except OSError as e:
+                    await self._verify_dump(folder, m)
+                    problems = []
+                except (OSError, CheckpointError) as e:
                     problems = [str(e)]
                 if not problems:
                     m.status = "verified"
