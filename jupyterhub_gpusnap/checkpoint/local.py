@@ -818,20 +818,29 @@ class LocalBackend(CheckpointBackend):
         for p, r in list(self.restored.items()):
             if r.reap() is not None:
                 self.restored.pop(p, None)
+        # The GPU restore overlaps the last of the checksum work; a damaged image still ends
+        # the restored tree before anyone sees it.
+        gpu = None
+        if m.cuda_pids and self.cuda() is not None:
+            gpu = asyncio.ensure_future(self.cuda().resume(tree_pids(restored.pid)))
+
+        async def end(error: BaseException) -> None:
+            if gpu is not None:
+                await asyncio.gather(gpu, return_exceptions=True)
+            await self._end_restored(restored)
+            raise error
+
         try:
             problems = await asyncio.shield(hashing)
         except Exception as e:
-            await self._end_restored(restored)
-            raise CheckpointError(f"{key}: cannot check image {info.id}: {e}") from e
-        except BaseException:  # cancelled: nobody will hand this tree out
-            await self._end_restored(restored)
-            raise
+            await end(CheckpointError(f"{key}: cannot check image {info.id}: {e}"))
+        except BaseException as e:  # cancelled: nobody will hand this tree out
+            await end(e)
         if problems:
-            await self._end_restored(restored)
-            raise damaged(problems)
-        if m.cuda_pids and self.cuda() is not None:
+            await end(damaged(problems))
+        if gpu is not None:
             try:
-                await self.cuda().resume(tree_pids(restored.pid))
+                await gpu
             except Exception as e:
                 await self.kill_tree(tree_pids(restored.pid))
                 raise CheckpointError(f"{key}: restoring GPU memory failed: {e}") from e
