@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import (
@@ -23,6 +25,7 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    bindparam,
     create_engine,
     delete,
     func,
@@ -122,6 +125,8 @@ class Store:
                 kwargs["poolclass"] = StaticPool
         self.engine: Engine = create_engine(url, **kwargs)
         metadata.create_all(self.engine)
+        self._pending: dict[str, dict] | None = None  # put() rows held by batch()
+        self._cache: dict[str, dict] | None = None  # rows read once by batch(preload=True)
 
     def close(self) -> None:
         self.engine.dispose()
@@ -141,27 +146,121 @@ class Store:
         d["last_sample"] = d["last_sample"] or {}
         return ServerStatus(**d)
 
+    @staticmethod
+    def _values(status: ServerStatus) -> dict:
+        values = {f: getattr(status, f) for f in _FIELDS}
+        values["state"] = State(status.state).value
+        values["last_sample"] = dict(status.last_sample or {})
+        return values
+
+    @staticmethod
+    def _from_values(values: dict) -> ServerStatus:
+        d = dict(values)
+        d["state"] = State(d["state"])
+        d["last_sample"] = dict(d["last_sample"] or {})
+        return ServerStatus(**d)
+
     def get(self, key: str) -> ServerStatus | None:
+        if self._pending is not None and key in self._pending:
+            return self._from_values(self._pending[key])
+        if self._cache is not None:
+            values = self._cache.get(key)
+            return self._from_values(values) if values else None
         with self.engine.connect() as conn:
             row = conn.execute(select(servers).where(servers.c.key == key)).first()
         return self._to_status(row) if row else None
 
-    def put(self, status: ServerStatus) -> None:
-        """Insert or replace the row of ``status.key``."""
-        values = {f: getattr(status, f) for f in _FIELDS}
-        values["state"] = State(status.state).value
-        values["last_sample"] = dict(status.last_sample or {})
+    def put(self, status: ServerStatus, now: bool = False) -> None:
+        """Insert or replace the row of ``status.key``.
+
+        Inside :meth:`batch` the write is held until the batch ends, unless ``now`` is
+        true (a state the service must find after a crash, e.g. ``suspending``).
+        """
+        values = self._values(status)
+        if self._pending is not None and not now:
+            self._pending[status.key] = values
+            return
+        if self._pending is not None:
+            self._pending.pop(status.key, None)
+        if self._cache is not None:
+            self._cache[status.key] = values
+        self.put_many([status])
+
+    def put_many(self, statuses: Iterable[ServerStatus]) -> None:
+        """Insert or replace many rows in one transaction (one commit, not one per server)."""
+        self._write_rows([self._values(s) for s in statuses])
+
+    def _write_rows(self, rows: list[dict]) -> None:
+        if not rows:
+            return
         with self.engine.begin() as conn:
-            done = conn.execute(update(servers).where(servers.c.key == status.key), values)
-            if done.rowcount == 0:
-                conn.execute(insert(servers), values)
+            keys = [r["key"] for r in rows]
+            existing: set[str] = set()
+            for i in range(0, len(keys), 500):  # stay under SQLite's bound-parameter limit
+                chunk = keys[i : i + 500]
+                q = select(servers.c.key).where(servers.c.key.in_(chunk))
+                existing.update(conn.execute(q).scalars())
+            old = [{**r, "b_key": r["key"]} for r in rows if r["key"] in existing]
+            new = [r for r in rows if r["key"] not in existing]
+            if old:
+                conn.execute(update(servers).where(servers.c.key == bindparam("b_key")), old)
+            if new:
+                conn.execute(insert(servers), new)
+
+    @contextmanager
+    def batch(self, preload: bool = False) -> Iterator[Store]:
+        """Hold :meth:`put` writes in memory and write them in one transaction at the end.
+
+        A tick over thousands of servers would otherwise commit once per server (one
+        disk sync each on SQLite). Inside a batch, :meth:`get` and :meth:`all` see the
+        held writes; :meth:`delete`, ``put(..., now=True)``, events and notifications
+        are written at once. With ``preload`` every row is read once up front and
+        :meth:`get` answers from memory (the service is the database's only writer).
+        The held writes are written even when the block raises. Nested batches join
+        the outer one.
+        """
+        if self._pending is not None:
+            yield self
+            return
+        self._pending = {}
+        if preload:
+            with self.engine.connect() as conn:
+                self._cache = {r.key: self._row_values(r) for r in conn.execute(select(servers))}
+        try:
+            yield self
+        finally:
+            pending, self._pending, self._cache = self._pending, None, None
+            self._write_rows(list(pending.values()))
+
+    @staticmethod
+    def _row_values(row) -> dict:
+        d = dict(row._mapping)
+        d["last_sample"] = d["last_sample"] or {}
+        return d
 
     def all(self) -> list[ServerStatus]:
         with self.engine.connect() as conn:
             rows = conn.execute(select(servers).order_by(servers.c.key)).all()
-        return [self._to_status(r) for r in rows]
+        out = [self._to_status(r) for r in rows]
+        if self._pending:
+            merged = {s.key: s for s in out}
+            merged.update({k: self._from_values(v) for k, v in self._pending.items()})
+            out = [merged[k] for k in sorted(merged)]
+        return out
+
+    def keys(self) -> list[str]:
+        """Every server's key, sorted (held batch writes included); cheaper than :meth:`all`."""
+        with self.engine.connect() as conn:
+            keys = set(conn.execute(select(servers.c.key)).scalars())
+        if self._pending:
+            keys.update(self._pending)
+        return sorted(keys)
 
     def delete(self, key: str) -> None:
+        if self._pending is not None:
+            self._pending.pop(key, None)
+        if self._cache is not None:
+            self._cache.pop(key, None)
         with self.engine.begin() as conn:
             conn.execute(delete(servers).where(servers.c.key == key))
 

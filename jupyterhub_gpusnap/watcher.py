@@ -75,6 +75,7 @@ class Watcher(LoggingConfigurable):
         self.samples: dict[str, Sample] = {}
         self.decisions: dict[str, Decision] = {}
         self._inflight: dict[str, asyncio.Task] = {}
+        self._gauges: dict[str, dict] = {}  # per-server metric children (see _gauge)
         self._semaphore = asyncio.Semaphore(self.suspend_concurrency)
         self.ticks = 0
 
@@ -97,7 +98,9 @@ class Watcher(LoggingConfigurable):
                     await prefetch(servers)
                 except Exception as e:  # a broken prefetch just means per-server reads
                     self.log.warning("signal %s prefetch failed: %s", source.name, e)
-        await asyncio.gather(*(self.watch_server(s, now) for s in servers))
+        # one read and one commit per tick instead of one of each per server
+        with self.store.batch(preload=True):
+            await asyncio.gather(*(self.watch_server(s, now) for s in servers))
         await self._reconcile_gone(running, now)
         metrics.set_state_counts(self.store.counts_by_state())
         self.ticks += 1
@@ -105,7 +108,10 @@ class Watcher(LoggingConfigurable):
 
     async def read_signals(self, server: Server, now: float) -> Sample:
         sample = Sample(time=now, hub_last_activity=server.last_activity.timestamp() if server.last_activity else None)
-        results = await asyncio.gather(*(src.sample(server, now) for src in self.sources))
+        if len(self.sources) == 1:  # the usual case: no gather, one task less per server
+            results = [await self.sources[0].sample(server, now)]
+        else:
+            results = await asyncio.gather(*(src.sample(server, now) for src in self.sources))
         for part in results:
             sample.merge(part)
         if sample.errors:
@@ -140,6 +146,10 @@ class Watcher(LoggingConfigurable):
         elif status.state in OFFLINE:
             await self._returned(status, server, now)
         sample = await self.read_signals(server, now)
+        # a keep-running or an exemption may have come in through the API while the signals were read
+        latest = self.store.get(key)
+        if latest is not None and latest.keep_until != status.keep_until:
+            status.keep_until = latest.keep_until
         self.samples[key] = sample
         rule = self.policy.rule_for(server)
         new, decision = step(status, sample, rule, now)
@@ -160,8 +170,16 @@ class Watcher(LoggingConfigurable):
             ("kernels_busy", sample.kernels_busy),
         ):
             if value is not None:
-                metrics.SIGNAL.labels(server=key, signal=signal).set(value)
-        metrics.IDLE_SECONDS.labels(server=key).set(decision.idle_seconds or 0)
+                self._gauge(metrics.SIGNAL, key, signal).set(value)
+        self._gauge(metrics.IDLE_SECONDS, key).set(decision.idle_seconds or 0)
+
+    def _gauge(self, metric, key: str, *labels: str):
+        """The metric's child for ``key`` (and ``labels``), looked up once per server, not per tick."""
+        children = self._gauges.setdefault(key, {})
+        child = children.get((metric, labels))
+        if child is None:
+            child = children[(metric, labels)] = metric.labels(key, *labels)
+        return child
 
     async def _returned(self, status: ServerStatus, server: Server, now: float) -> None:
         """A suspended server is running again: it was restored, or started fresh after a failed restore."""
@@ -190,6 +208,7 @@ class Watcher(LoggingConfigurable):
         status.state_since = now
         status.restored_at = now
         status.last_active = now
+        status.reason = "restored from snapshot" if restored else "restore failed: started fresh"
         status.started = server.started.timestamp() if server.started else now
         if not restored:
             status.failure = info.error if info else "restore failed"
@@ -197,8 +216,11 @@ class Watcher(LoggingConfigurable):
 
     async def _reconcile_gone(self, running: dict[str, Server], now: float) -> None:
         """Forget servers the user stopped; keep suspended ones (their checkpoint is their state)."""
-        for status in self.store.all():
-            if status.key in running or status.key in self._inflight:
+        for key in self.store.keys():  # keys only: reading every row again costs a lot
+            if key in running or key in self._inflight:
+                continue
+            status = self.store.get(key)
+            if status is None:
                 continue
             if status.state == State.suspending:
                 # the service died mid-suspension: the backend's recovery decided the outcome
@@ -211,6 +233,7 @@ class Watcher(LoggingConfigurable):
                 continue
             self.store.delete(status.key)
             metrics.forget_server(status.key)
+            self._gauges.pop(status.key, None)
             self.samples.pop(status.key, None)
             for source in self.sources:
                 forget = getattr(source, "forget", None)
@@ -333,7 +356,7 @@ class Watcher(LoggingConfigurable):
         status.state, status.state_since, status.reason = state, now, reason
         if event:
             self.store.record_event(status.key, *event)
-        self.store.put(status)
+        self.store.put(status, now=True)  # suspending/suspended/failed must survive a crash
 
     def _fail(self, status: ServerStatus, kind: str, why: str) -> None:
         status.failure = why

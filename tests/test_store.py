@@ -169,3 +169,76 @@ def test_in_memory_stores_are_separate():
     with Store("sqlite://") as a, Store("sqlite://") as b:
         a.put(full_status())
         assert b.get("alice/gpu") is None and a.get("alice/gpu") is not None
+
+
+def test_put_many_inserts_and_replaces_in_one_go(store):
+    store.put(full_status("a/", state=State.idle))
+    batch = [
+        full_status("a/", state=State.active, failures=0),
+        full_status("b/x"),
+        ServerStatus(key="c/", user="c"),
+    ]
+    store.put_many(batch)
+    assert store.all() == sorted(batch, key=lambda s: s.key)
+    store.put_many([])  # nothing to write is fine
+    assert len(store.all()) == 3
+
+
+def test_batch_holds_writes_until_it_ends(tmp_path):
+    """Inside a batch this store sees its held writes; another connection sees them at the end."""
+    url = f"sqlite:///{tmp_path / 'batch.sqlite'}"
+    with Store(url) as a, Store(url) as other:
+        old = full_status("a/", state=State.idle)
+        a.put(old)
+        new_a = full_status("a/", state=State.active, reason="busy kernel")
+        new_b = full_status("b/")
+        with a.batch(preload=True):
+            a.put(new_a)
+            a.put(new_b)
+            assert a.get("a/") == new_a and a.get("b/") == new_b  # read your writes
+            assert [s.key for s in a.all()] == ["a/", "b/"]
+            assert other.get("a/") == old and other.get("b/") is None  # not written yet
+            with a.batch():  # nested: joins the outer batch
+                a.put(full_status("c/"))
+            assert other.get("c/") is None
+        assert other.get("a/") == new_a and other.get("b/") == new_b
+        assert [s.key for s in other.all()] == ["a/", "b/", "c/"]
+
+
+def test_batch_now_writes_and_deletes_at_once(tmp_path):
+    url = f"sqlite:///{tmp_path / 'batch.sqlite'}"
+    with Store(url) as a, Store(url) as other:
+        a.put(full_status("gone/"))
+        with a.batch(preload=True):
+            a.put(full_status("a/", state=State.warned))
+            suspending = full_status("a/", state=State.suspending)
+            a.put(suspending, now=True)  # replaces the held write, written at once
+            assert other.get("a/") == suspending and a.get("a/") == suspending
+            a.put(full_status("gone/", state=State.idle))
+            a.delete("gone/")
+            assert a.get("gone/") is None and other.get("gone/") is None
+        assert other.get("a/") == suspending  # the older held write did not come back
+        assert other.get("gone/") is None
+
+
+def test_batch_writes_even_when_the_block_fails(store):
+    with pytest.raises(RuntimeError):
+        with store.batch():
+            store.put(full_status("a/"))
+            raise RuntimeError("a tick failed half-way")
+    assert store.get("a/") == full_status("a/")
+    # the returned status is a copy: changing it changes nothing stored
+    st = store.get("a/")
+    with store.batch(preload=True):
+        got = store.get("a/")
+        got.last_sample["x"] = 1
+        assert store.get("a/").last_sample == st.last_sample
+
+
+def test_keys_lists_stored_and_held_rows(store):
+    store.put(full_status("b/"))
+    with store.batch():
+        store.put(full_status("a/x"))
+        assert store.keys() == ["a/x", "b/"]
+    store.delete("b/")
+    assert store.keys() == ["a/x"]
