@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from urllib.parse import urlparse
 
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
@@ -19,15 +20,14 @@ from tornado.httpserver import HTTPServer
 from traitlets import Bool, Dict, Float, List, TraitError, Type, Unicode, default, validate
 from traitlets.config import Application
 
-from . import __version__
+from . import __version__, metrics
 from .checkpoint.base import CheckpointBackend
 from .hub import HubClient
+from .hubconfig import CUSTOM_SCOPES, REQUIRED_SCOPES  # noqa: F401  (re-exported)
 from .policy import Policy, Rule
 from .signals.base import SignalSource
 from .store import Store
 from .watcher import Watcher
-
-from .hubconfig import CUSTOM_SCOPES, REQUIRED_SCOPES  # noqa: F401  (re-exported)
 
 
 class GpuSnap(Application):
@@ -209,6 +209,12 @@ class GpuSnap(Application):
         False, help="Send emails (warning, suspended, restore failed). Configure c.Mailer and c.Notifier."
     ).tag(config=True)
 
+    retention_interval = Float(
+        3600,
+        help="Seconds between two runs of the checkpoint retention (LocalBackend.keep_last, max_age_days). "
+        "The checkpoint a suspended server needs for its restore is never deleted.",
+    ).tag(config=True)
+
     tick_on_start = Bool(True, help="Run the first tick right after start-up rather than after one interval.").tag(
         config=True
     )
@@ -266,6 +272,8 @@ class GpuSnap(Application):
     raise_config_file_errors = True
 
     def initialize(self, argv=None):
+        self._last_retention = 0.0
+        self._last_digest = None
         # a bad value (e.g. GpuSnap.action = "kill") is one line naming the setting, not a traceback
         try:
             self._load_settings(argv)
@@ -349,6 +357,39 @@ class GpuSnap(Application):
             await self.watcher.tick()
         except Exception:
             self.log.exception("Tick failed")
+        await self.housekeeping()
+
+    async def housekeeping(self) -> None:
+        """Retention of old checkpoints and the admin's daily digest, when they are due."""
+        now = time.time()
+        if self.backend is not None and now - self._last_retention >= self.retention_interval:
+            self._last_retention = now
+            try:
+                deleted = await self.backend.apply_retention()
+                if deleted:
+                    self.log.info("Retention deleted %d checkpoint(s): %s", len(deleted), ", ".join(deleted))
+            except Exception as e:
+                self.log.error("Checkpoint retention failed: %s", e)
+        if self.notifier is not None:
+            day = self.notifier.digest_day()
+            if day is not None and day != self._last_digest:
+                self._last_digest = day
+                await self.notifier.send_digest(self.digest_context(now), day)
+
+    def digest_context(self, now: float) -> dict:
+        """The admin digest's numbers over the last 24 hours, from the event log."""
+        since = now - 86400
+        events = [e for e in self.store.events(None, limit=100000) if e["time"] >= since]
+        count = lambda kind: sum(1 for e in events if e["kind"] == kind)  # noqa: E731
+        return {
+            "suspensions": count("suspend"),
+            "restores": count("restore"),
+            "failures": count("suspend_failed") + count("restore_failed"),
+            "gpu_hours": round(metrics.GPU_SECONDS_FREED._value.get() / 3600, 1),
+            "failed_servers": [{"server": e["key"], "error": (e["detail"] or {}).get("error", "")}
+                               for e in events if e["kind"] in ("suspend_failed", "restore_failed")],
+            "hub_url": self.public_url,
+        }
 
     async def run(self) -> None:
         for source in self.sources:
