@@ -147,9 +147,7 @@ class Watcher(LoggingConfigurable):
             await self._returned(status, server, now)
         sample = await self.read_signals(server, now)
         # a keep-running or an exemption may have come in through the API while the signals were read
-        latest = self.store.get(key)
-        if latest is not None and latest.keep_until != status.keep_until:
-            status.keep_until = latest.keep_until
+        self._merge_keep(status)
         self.samples[key] = sample
         rule = self.policy.rule_for(server)
         new, decision = step(status, sample, rule, now)
@@ -158,9 +156,19 @@ class Watcher(LoggingConfigurable):
         if new.state != status.state:
             self.log.info("%s: %s -> %s (%s)", key, status.state, new.state, decision.reason)
             self.store.record_event(key, "state", {"from": str(status.state), "to": str(new.state), "reason": decision.reason})
+        self._merge_keep(new, now)
         self.store.put(new)
         if decision.action:
             await self.act(decision.action, server, new, decision)
+
+    def _merge_keep(self, status: ServerStatus, now: float | None = None) -> None:
+        """Take the stored keep-running time: the API's requests win over this tick's copy."""
+        latest = self.store.get(status.key)
+        if latest is None or latest.keep_until == status.keep_until:
+            return
+        if now is not None and latest.keep_until is not None and latest.keep_until <= now:
+            return  # expired: the policy just cleared it
+        status.keep_until = latest.keep_until
 
     def _export(self, key: str, sample: Sample, decision: Decision) -> None:
         for signal, value in (
@@ -325,7 +333,8 @@ class Watcher(LoggingConfigurable):
 
     async def park(self, server: Server, status: ServerStatus, unpark: bool = False) -> None:
         from .checkpoint.cuda import CudaCheckpoint
-        from .park import park, unpark as do_unpark
+        from .park import park
+        from .park import unpark as do_unpark
 
         action = "unpark" if unpark else "park"
         pids = tree_pids(server.pid)
@@ -385,5 +394,6 @@ class Watcher(LoggingConfigurable):
         if status.state in (State.idle, State.warned, State.failed):
             self._set_state(status, State.active, "keep running requested")
         self.store.record_event(key, "keep", {"until": status.keep_until})
-        self.store.put(status)
+        self.store.put(status, now=True)
+        self.log.info("%s: kept running until %s", key, time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(status.keep_until)))
         return status

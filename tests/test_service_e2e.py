@@ -5,7 +5,6 @@ Windows are a few seconds long so the tests run quickly; nothing is faked.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import uuid
 from datetime import datetime, timezone

@@ -1,6 +1,5 @@
 # JupyterHub config of the jupyterhub-gpusnap demo (written by `python -m jupyterhub_gpusnap.demo`).
 # Every line here is what an admin of a single GPU machine would write; see docs/install.md.
-import sys
 
 c = get_config()  # noqa
 
@@ -23,8 +22,7 @@ c.Spawner.environment = {"GPUSNAP_SERVICE_URL": "http://127.0.0.1:@PORT@/service
 c.LocalBackend.checkpoint_dir = "@ROOT@/checkpoints"
 
 # The user's return restores the server by itself, with the "suspended … restoring" page.
-import jupyterhub_gpusnap  # noqa: E402
-from jupyterhub_gpusnap.hubconfig import TEMPLATE_PATH, CUSTOM_SCOPES, service_role  # noqa: E402
+from jupyterhub_gpusnap.hubconfig import CUSTOM_SCOPES, TEMPLATE_PATH, service_role  # noqa: E402
 
 c.JupyterHub.template_paths = [TEMPLATE_PATH]
 c.JupyterHub.implicit_spawn_seconds = 3

@@ -11,7 +11,6 @@ from .. import __version__
 from ..model import Server, State, server_key
 from .base import APIHandler, iso
 
-
 #: An admin's exemption is a keep-running with no end (the year 2100), which the policy already honours.
 EXEMPT_UNTIL = 4102444800.0
 
