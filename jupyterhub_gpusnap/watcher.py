@@ -75,6 +75,7 @@ class Watcher(LoggingConfigurable):
         self.samples: dict[str, Sample] = {}
         self.decisions: dict[str, Decision] = {}
         self._inflight: dict[str, asyncio.Task] = {}
+        self._cuda = None
         self._gauges: dict[str, dict] = {}  # per-server metric children (see _gauge)
         self._semaphore = asyncio.Semaphore(self.suspend_concurrency)
         self.ticks = 0
@@ -331,8 +332,17 @@ class Watcher(LoggingConfigurable):
         self.log.info("%s: stopped (no checkpoint: rule action 'stop'): %s", server.key, reason)
         self.store.delete(server.key)
 
-    async def park(self, server: Server, status: ServerStatus, unpark: bool = False) -> None:
-        from .checkpoint.cuda import CudaCheckpoint
+    @property
+    def cuda(self):
+        """The CUDA checkpoint layer used for parking (one per watcher; a no-op without a driver)."""
+        if self._cuda is None:
+            from .checkpoint.cuda import CudaCheckpoint
+
+            self._cuda = CudaCheckpoint(parent=self)
+        return self._cuda
+
+    async def park(self, server: Server, status: ServerStatus, unpark: bool = False, reason: str = ""):
+        """Park (or unpark) a server's GPU memory; returns the ParkResult, or None if refused/failed."""
         from .park import park
         from .park import unpark as do_unpark
 
@@ -340,22 +350,52 @@ class Watcher(LoggingConfigurable):
         pids = tree_pids(server.pid)
         t0 = time.perf_counter()
         try:
-            cuda = CudaCheckpoint()
-            result = await (do_unpark(pids, cuda) if unpark else park(pids, cuda))
+            result = await (do_unpark(pids, self.cuda) if unpark else park(pids, self.cuda))
         except CheckpointRefused as e:
             metrics.ACTIONS.labels(action=action, result="refused").inc()
             self.log.info("%s: %s refused: %s", server.key, action, e)
             if not unpark:
                 self._set_state(status, State.idle, f"park refused: {e}")
-            return
+            return None
         except Exception as e:
             metrics.ACTIONS.labels(action=action, result="failed").inc()
             metrics.FAILURES.labels(kind=action).inc()
             self.log.error("%s: %s failed: %s", server.key, action, e)
-            return
+            return None
         metrics.ACTION_SECONDS.labels(action=action).observe(time.perf_counter() - t0)
         metrics.ACTIONS.labels(action=action, result="ok").inc()
-        self.store.record_event(server.key, action, {"bytes": result.bytes_moved, "seconds": round(result.seconds, 3), "pids": result.pids})
+        detail = {"bytes": result.bytes_moved, "seconds": round(result.seconds, 3), "pids": result.pids}
+        if reason:
+            detail["reason"] = reason
+        self.store.record_event(server.key, action, detail)
+        return result
+
+    async def make_room(self, nbytes: int) -> dict:
+        """Park idle servers, the longest idle first, until ``nbytes`` of GPU memory are freed.
+
+        Only servers idle by every signal (``idle`` or ``warned``) that hold GPU memory are
+        candidates; active, exempt and kept-running servers are never parked.
+        """
+        candidates = []
+        for key, server in self.servers.items():
+            status = self.store.get(key)
+            if status is None or status.state not in (State.idle, State.warned) or key in self._inflight:
+                continue
+            held = (status.last_sample or {}).get("gpu_memory_bytes") or 0
+            if held > 0:
+                candidates.append((status.last_active, key, server, status))
+        candidates.sort(key=lambda c: (c[0], c[1]))
+        freed, parked = 0, []
+        for _, key, server, status in candidates:
+            if freed >= nbytes:
+                break
+            result = await self.park(server, status, reason=f"make room for {nbytes} bytes")
+            if result is not None and result.bytes_moved:
+                freed += result.bytes_moved
+                parked.append(key)
+                self._set_state(status, State.parked, "parked to make room on the GPU")
+        self.log.info("make room for %d bytes: freed %d by parking %s", nbytes, freed, parked or "nothing")
+        return {"requested_bytes": nbytes, "freed_bytes": freed, "parked": parked, "enough": freed >= nbytes}
 
     def _set_state(self, status: ServerStatus, state: State, reason: str, event: tuple[str, dict] | None = None) -> None:
         now = self.clock()

@@ -71,6 +71,7 @@ READ_SERVER = expect(anonymous=403, other=404, owner=200, reader=200, admin=200,
 WRITE_SERVER = expect(anonymous=403, other=404, owner=200, reader=403, admin=200, service=404)
 ADMIN_ONLY = expect(anonymous=403, other=404, owner=403, reader=403, admin=200, service=404)
 READERS = expect(anonymous=403, other=403, owner=403, reader=200, admin=200, service=403)
+ADMINS = expect(anonymous=403, other=403, owner=403, reader=403, admin=200, service=403)
 MISSING = expect(anonymous=403, other=404, owner=404, reader=404, admin=404, service=404)
 # pages: anonymous visitors are sent to the Hub's login (a POST without a login is refused)
 PAGE_ANY_USER = {**ANY_USER, "anonymous": 302}
@@ -118,6 +119,7 @@ API_CASES = [
         server="alice/lab",
     ),
     Case("GET", "api/events", READERS),
+    Case("POST", "api/make-room", ADMINS, body={"bytes": 1024}),
     Case("GET", "api/events?server=alice/", READ_SERVER),
     Case("GET", "api/events?server=alice/lab&limit=5", READ_SERVER),
     Case("GET", "metrics", READERS),

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from jupyterhub.services.auth import HubOAuthCallbackHandler
 
-from .api import EventsHandler, InfoHandler, ServerActionHandler, ServerHandler, ServersHandler
+from .api import (
+    EventsHandler,
+    InfoHandler,
+    MakeRoomHandler,
+    ServerActionHandler,
+    ServerHandler,
+    ServersHandler,
+)
 from .metrics import MetricsHandler
 
 SERVER = r"(?P<user>[^/]+)(?:/(?P<name>[^/]*))?"
@@ -18,6 +25,7 @@ def make_handlers(prefix: str) -> list:
         (prefix + r"api/servers/" + SERVER + r"/(?P<action>keep|suspend|exempt)", ServerActionHandler),
         (prefix + r"api/servers/" + SERVER, ServerHandler),
         (prefix + r"api/events", EventsHandler),
+        (prefix + r"api/make-room", MakeRoomHandler),
         (prefix + r"metrics", MetricsHandler),
         (prefix + r"oauth_callback", HubOAuthCallbackHandler),
     ]

@@ -181,3 +181,17 @@ class EventsHandler(APIHandler):
             raise web.HTTPError(404, f"No server {key} that you may see")
         events = app.store.events(key, limit=limit)
         self.write_json({"events": [{**e, "time": iso(e["time"])} for e in events]})
+
+
+class MakeRoomHandler(APIHandler):
+    """Park idle servers until a requested amount of GPU memory is free (admins)."""
+
+    async def post(self):
+        model = self.require_user()
+        if not self.is_admin(model):
+            raise web.HTTPError(403, "Making room needs the custom:gpusnap:admin scope")
+        body = self.json_body()
+        nbytes = body.get("bytes")
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise web.HTTPError(400, "'bytes' must be a positive integer, e.g. {\"bytes\": 17179869184} for 16 GiB")
+        self.write_json(await self.gpusnap.watcher.make_room(nbytes))
