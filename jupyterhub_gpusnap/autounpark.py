@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import time
 
-import psutil
 from traitlets import Float
 from traitlets.config import LoggingConfigurable
+
+from .procs import tree_pids
 
 PARKED_STATES = ("checkpointed", "locked")
 
@@ -30,14 +31,6 @@ def kernel_pid(kernel) -> int | None:
         return int(pid)
     proc = getattr(provisioner, "process", None) or getattr(kernel, "kernel", None)
     return getattr(proc, "pid", None)
-
-
-def process_tree(pid: int) -> list[int]:
-    try:
-        root = psutil.Process(pid)
-        return [pid] + [c.pid for c in root.children(recursive=True)]
-    except psutil.Error:
-        return []
 
 
 class AutoUnpark(LoggingConfigurable):
@@ -61,7 +54,7 @@ class AutoUnpark(LoggingConfigurable):
         self._task: asyncio.Task | None = None
 
     def parked_pids(self, pid: int) -> list[int]:
-        return [p for p in process_tree(pid) if self.cuda.state(p) in PARKED_STATES]
+        return [p for p in tree_pids(pid) if self.cuda.state(p) in PARKED_STATES]
 
     def parked_kernels(self) -> dict[str, list[int]]:
         """Kernel id → its parked CUDA pids (for the status endpoint)."""

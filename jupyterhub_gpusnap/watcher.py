@@ -11,7 +11,6 @@ import asyncio
 import time
 from collections.abc import Callable
 
-import psutil
 from traitlets import Float, Integer
 from traitlets.config import LoggingConfigurable
 
@@ -20,6 +19,7 @@ from .checkpoint.base import CheckpointBackend, CheckpointError, CheckpointRefus
 from .hub import HubClient, HubError
 from .model import Sample, Server, State
 from .policy import Decision, Policy, ServerStatus, step
+from .procs import tree_pids
 from .signals.base import SignalSource
 from .store import Store
 
@@ -27,15 +27,6 @@ from .store import Store
 OFFLINE = {State.suspended, State.suspending, State.restoring}
 
 
-def tree_pids(pid: int | None) -> list[int]:
-    """The pids of a local server's process tree (root first); [] when it is gone."""
-    if not pid:
-        return []
-    try:
-        root = psutil.Process(pid)
-        return [root.pid] + [p.pid for p in root.children(recursive=True)]
-    except psutil.Error:
-        return []
 
 
 class Watcher(LoggingConfigurable):

@@ -49,6 +49,7 @@ import psutil
 from traitlets import Bool, Enum, Float, Integer, List, Unicode
 
 from ..model import Server, server_key
+from ..procs import tree_pids  # noqa: F401  (re-exported)
 from . import criu
 from .base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
 from .manifest import (
@@ -81,13 +82,6 @@ def decode_name(enc: str) -> str:
     return "" if enc == DEFAULT_NAME else unquote(enc)
 
 
-def tree_pids(pid: int) -> list[int]:
-    """``pid`` and all its descendants (empty if ``pid`` is gone)."""
-    try:
-        root = psutil.Process(pid)
-        return [pid] + [c.pid for c in root.children(recursive=True)]
-    except psutil.Error:
-        return []
 
 
 def is_alive(pid: int) -> bool:

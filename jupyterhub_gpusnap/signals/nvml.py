@@ -17,11 +17,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
 from traitlets import Any as AnyTrait
 from traitlets import Bool
 
 from ..model import Sample, Server
+from ..procs import tree_pids  # noqa: F401  (re-exported)
 from .base import SignalSource
 
 # NVML return codes used below (nvml.h)
@@ -30,20 +30,6 @@ _NVML_ERROR_NOT_SUPPORTED = 3
 _NVML_ERROR_NOT_FOUND = 6
 
 
-def tree_pids(root_pid: int | None) -> list[int]:
-    """The pid of ``root_pid`` and of all its descendants; [] when it is gone.
-
-    A notebook server's GPU work happens in its kernels (children), never in the
-    server process itself, so every reading and every checkpoint covers the tree.
-    """
-    if not root_pid:
-        return []
-    try:
-        root = psutil.Process(root_pid)
-        children = root.children(recursive=True)
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return []
-    return [root_pid] + [c.pid for c in children]
 
 
 @dataclass
