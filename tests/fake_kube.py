@@ -29,7 +29,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tarfile
@@ -41,6 +40,7 @@ from pathlib import Path
 import jsonschema
 import kubernetes_validate
 import referencing
+from ports import free_port
 from tornado import web
 from tornado.httpserver import HTTPServer
 
@@ -79,10 +79,6 @@ def rfc3339(t: float | None = None) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() if t is None else t))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def status(code: int, reason: str, message: str, details: dict | None = None) -> dict:

@@ -25,7 +25,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import sys
 import time
 import uuid
@@ -34,6 +33,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import psutil
+from ports import free_port
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.websocket import websocket_connect
 
@@ -56,11 +56,6 @@ ADMIN_SCOPES = [
 TEST_PASSWORD = "gpusnap-test-password"
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class HubError(AssertionError):

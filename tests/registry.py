@@ -17,7 +17,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import uuid
@@ -27,6 +26,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.x509.oid import NameOID
+from ports import free_port
 from tornado import web
 from tornado.httpclient import AsyncHTTPClient
 from tornado.httpserver import HTTPServer
@@ -38,10 +38,6 @@ PASSWORD = "secret"
 PASSWORD_BCRYPT = "$2b$05$abcdefghijklmnopqrstuuOQiyCxlgf/oeuTqixKmWdcYUh4Hjl0a"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def docker_config(path: Path, host: str, user: str = USER, password: str = PASSWORD) -> Path:

@@ -12,7 +12,6 @@ import datetime
 import email
 import email.policy
 import ipaddress
-import socket
 import ssl
 import threading
 from dataclasses import dataclass, field
@@ -25,13 +24,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now (bound then released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ports import free_port
 
 
 def make_self_signed(directory: Path) -> tuple[Path, Path]:

@@ -16,7 +16,6 @@ import contextlib
 import copy
 import json
 import logging
-import socket
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -26,6 +25,7 @@ import kubernetes_validate
 import pytest
 import tornado.web
 from jupyterhub import orm
+from ports import free_port
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.httpserver import HTTPServer
 from traitlets.config import Config
@@ -44,10 +44,6 @@ H100 = "NVIDIA-H100-80GB-HBM3"
 A100 = "NVIDIA-A100-SXM4-80GB"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def now_rfc3339() -> str:

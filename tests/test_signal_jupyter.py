@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from jupyter_client import AsyncKernelClient
+from ports import free_port
 
 from jupyterhub_gpusnap.model import Server
 from jupyterhub_gpusnap.signals.jupyter import JupyterSignal, parse_iso8601
@@ -48,10 +48,6 @@ class JupyterServer:
         return json.loads(body) if body else None
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_server(root: Path, *extra: str) -> JupyterServer:
