@@ -186,9 +186,7 @@ class Watcher(LoggingConfigurable):
         info = None
         if self.backend is not None and status.checkpoint_id:
             try:
-                for c in await self.backend.list(status.user):
-                    if c.id == status.checkpoint_id:
-                        info = c
+                info = await self.backend.get(status.checkpoint_id)
             except Exception as e:
                 self.log.warning("%s: could not read checkpoint %s: %s", status.key, status.checkpoint_id, e)
         restored = info is None or info.status != "failed"

@@ -82,6 +82,13 @@ class CheckpointBackend(LoggingConfigurable):
         """The newest verified checkpoint of a server, or None."""
         raise NotImplementedError
 
+    async def get(self, checkpoint_id: str) -> CheckpointInfo | None:
+        """One checkpoint by id, or None. Backends that can look one up directly override this."""
+        for info in await self.list():
+            if info.id == checkpoint_id:
+                return info
+        return None
+
     async def list(self, user: str | None = None) -> list[CheckpointInfo]:
         """All checkpoints (of one user, if given), newest first."""
         raise NotImplementedError
