@@ -322,7 +322,11 @@ class GpuSnap(Application):
                 source.api_token = self.hub.api_token
         self.backend = None
         if self.action == "suspend" or any(r.get("action", self.action) == "suspend" and not r.get("exempt") for r in self.rules):
-            self.backend = self.backend_class(parent=self)
+            try:
+                self.backend = self.backend_class(parent=self)
+            except (TraitError, ValueError) as e:
+                self.log.critical("Invalid configuration: %s", e)
+                self.exit(1)
         self.notifier = None
         if self.email:
             from .notify import ServiceNotifier
@@ -433,6 +437,10 @@ def main(argv=None):
         from .doctor import main as doctor_main
 
         return doctor_main(argv[1:])
+    if argv and argv[0] == "keys":
+        from .keys_cli import main as keys_main
+
+        sys.exit(keys_main(argv[1:]))
     app = GpuSnap()
     app.initialize(argv)
     app.start()

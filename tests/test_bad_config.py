@@ -63,6 +63,17 @@ CASES = [
         ["GpuSnap.db_url", "/nonexistent-gpusnap-dir/sub", "does not exist"],
     ),
     (
+        "encryption-without-chunks",
+        'c.GpuSnap.action = "suspend"\nc.LocalBackend.encryption_key_file = "/etc/gpusnap-keys"',
+        ["LocalBackend.encryption_key_file", "LocalBackend.storage = 'chunks'"],
+    ),
+    (
+        "encryption-key-file-missing",
+        'c.GpuSnap.action = "suspend"\nc.LocalBackend.storage = "chunks"\n'
+        'c.LocalBackend.encryption_key_file = "/nonexistent/keys"',
+        ["/nonexistent/keys", "keys --new", "chmod 600"],
+    ),
+    (
         "config-file-does-not-run",
         "c.GpuSnap.interval = (",
         ["config file", "SyntaxError"],

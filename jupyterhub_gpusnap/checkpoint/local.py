@@ -46,12 +46,14 @@ from pathlib import Path
 from urllib.parse import quote, unquote
 
 import psutil
-from traitlets import Bool, Enum, Float, Integer, List, Unicode
+from traitlets import Bool, Enum, Float, Integer, List, TraitError, Unicode, validate
 
 from ..model import Server, server_key
 from ..procs import tree_pids  # noqa: F401  (re-exported)
 from . import criu
 from .base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
+from .chunks import PAGE, STORE, ChunkStore
+from .keys import Key, KeyFileError, load_keys
 from .manifest import (
     CHUNK_BYTES,
     MANIFEST,
@@ -59,6 +61,7 @@ from .manifest import (
     Writeback,
     check_complete,
     drop_cached,
+    image_files,
     is_pages_file,
     seal_image,
     verify_image,
@@ -228,8 +231,62 @@ class LocalBackend(CheckpointBackend):
         Turn off only if it competes with other disk traffic you care more about.""",
     ).tag(config=True)
 
+    storage = Enum(
+        ["files", "chunks"],
+        "files",
+        help="""How images are kept. 'files': CRIU's image files as written (fastest
+        restore from a warm page cache). 'chunks': cut into content-defined chunks,
+        zstd-compressed in parallel and stored once under <checkpoint_dir>/.chunks, so data
+        shared between snapshots (the same model in many servers, a server suspended
+        again) takes disk space once; needed for encryption_key_file. Existing checkpoints
+        keep the storage they were written with.""",
+    ).tag(config=True)
+
+    compression_level = Integer(
+        1,
+        help="""zstd level for storage = 'chunks' (1 fastest … 19 smallest; 0 stores chunks
+        uncompressed). Level 1 compresses faster than most disks write; data that does not
+        shrink by 3 % is stored uncompressed whatever this says.""",
+    ).tag(config=True)
+
+    average_chunk_bytes = Integer(
+        2 << 20,
+        help="""Average chunk size for storage = 'chunks' (a power of two, >= 64 KiB; chunks
+        are between a quarter and four times this). Smaller finds more shared data between
+        snapshots but costs more per-chunk work and files; 2 MiB suits GPU servers.""",
+    ).tag(config=True)
+
+    @validate("average_chunk_bytes")
+    def _check_average_chunk_bytes(self, proposal):
+        value = proposal["value"]
+        if value < 64 << 10 or value & (value - 1):
+            raise TraitError(
+                f"LocalBackend.average_chunk_bytes = {value}: use a power of two >= 65536 "
+                "(e.g. 2097152 for 2 MiB)"
+            )
+        return value
+
+    encryption_key_file = Unicode(
+        "",
+        help="""File with the AES-256 keys that encrypt checkpoint chunks at rest (needs
+        storage = 'chunks'); empty: not encrypted. One '<id> <base64 key>' per line, newest
+        first, mode 0600; make a line with 'jupyterhub-gpusnap keys --new <id>'. Rotate by
+        adding a new first line; keep old lines while checkpoints use them
+        ('jupyterhub-gpusnap keys' lists them). The Hub (which restores) and the service
+        (which checkpoints) both need it.""",
+    ).tag(config=True)
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
+        if self.encryption_key_file:
+            if self.storage != "chunks":
+                raise KeyFileError(
+                    "LocalBackend.encryption_key_file needs LocalBackend.storage = 'chunks' "
+                    "(only chunks are encrypted): set both"
+                )
+            load_keys(self.encryption_key_file)  # a bad key file fails at start-up
+        self._gc_lock = asyncio.Lock()
+        self._packing = 0
         self._pool_obj: ThreadPoolExecutor | None = None
         self._criu_ok: dict[tuple[str, str], str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -263,6 +320,20 @@ class LocalBackend(CheckpointBackend):
             n = self.hash_threads or os.cpu_count() or 1
             self._pool_obj = ThreadPoolExecutor(max_workers=n, thread_name_prefix="gpusnap-hash")
         return self._pool_obj
+
+    def keys(self) -> list[Key]:
+        """The keys of ``encryption_key_file`` (read on each use: rotation needs no restart)."""
+        return load_keys(self.encryption_key_file) if self.encryption_key_file else []
+
+    def chunk_store(self) -> ChunkStore:
+        """The chunk store under checkpoint_dir, with the current keys."""
+        return ChunkStore(
+            self.root / STORE,
+            self.pool,
+            level=self.compression_level,
+            keys=self.keys(),
+            avg_pages=self.average_chunk_bytes // PAGE,
+        )
 
     async def _require_criu(self) -> str:
         """The CRIU version, checked once per binary (``criu --version`` costs a fork+exec);
@@ -315,13 +386,21 @@ class LocalBackend(CheckpointBackend):
                 "restored_at": m.restored_at,
                 "restore_s": m.extra.get("restore_s"),
                 "seal_seconds": getattr(m, "seal_seconds", None),
+                "storage": m.storage,
+                "stored_bytes": m.stored_bytes,
+                "new_bytes": m.new_bytes,
+                "encrypted": bool(m.storage == "chunks" and m.key_id not in ("", "plain")),
             },
         )
 
     def _folders(self, user: str | None = None, server_name: str | None = None):
         if not self.root.is_dir():
             return
-        users = [self.root / encode_name(user)] if user is not None else sorted(self.root.iterdir())
+        users = (
+            [self.root / encode_name(user)]
+            if user is not None
+            else sorted(p for p in self.root.iterdir() if not p.name.startswith("."))
+        )
         for udir in users:
             if not udir.is_dir():
                 continue
@@ -510,7 +589,7 @@ class LocalBackend(CheckpointBackend):
         m.time_to_gpu_free_s = round(time.monotonic() - t0, 3)
         # What the GPU step does not need, read after it rather than before.
         m.ip, m.port = listen_address(pid)
-        m.api_token = environ_of(pid, "JUPYTERHUB_API_TOKEN")
+        m.api_token = self._seal_token(environ_of(pid, "JUPYTERHUB_API_TOKEN"))
         if cuda is not None and m.gpu_count and not m.driver_version:
             m.driver_version = cuda.driver_version() or ""
         m.save(folder)
@@ -518,7 +597,8 @@ class LocalBackend(CheckpointBackend):
         # 2. Dump the tree, leaving it frozen; 3. verify: complete, checksummed, durable.
         try:
             t1 = time.monotonic()
-            with Writeback(folder) if self.writeback_during_dump else contextlib.nullcontext():
+            early = self.writeback_during_dump and self.storage == "files"
+            with Writeback(folder) if early else contextlib.nullcontext():
                 await criu.dump(
                     pid,
                     folder,
@@ -545,6 +625,8 @@ class LocalBackend(CheckpointBackend):
         m.save(folder)
         # 4. Only now: the image is safe, the frozen tree can go.
         await self.kill_tree(pids)
+        if m.storage == "chunks":
+            self._drop_files(folder)
         self.log.info(
             "%s: checkpoint %s verified (%.1f MiB, GPU free after %.2fs, dump %.2fs, "
             "checksums and fsync %.2fs, %s); processes ended",
@@ -562,6 +644,10 @@ class LocalBackend(CheckpointBackend):
         problems = await asyncio.to_thread(check_complete, folder)
         if problems:
             raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
+        if self.storage == "chunks":
+            await self._pack(folder, m)
+            m.seal_seconds = round(time.monotonic() - t, 3)
+            return
         chunk = max(0, self.chunk_bytes)
         m.files, m.sizes, m.image_bytes = await asyncio.to_thread(
             seal_image, folder, self.pool, chunk
@@ -577,6 +663,86 @@ class LocalBackend(CheckpointBackend):
                 raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
             m.verification = "read-back"
         m.seal_seconds = round(time.monotonic() - t, 3)
+
+    async def _pack(self, folder: Path, m: Manifest) -> None:
+        """Store the dump in ``folder`` as chunks (durable, checked) and record them in ``m``."""
+        try:
+            store = self.chunk_store()
+        except KeyFileError as e:
+            raise CheckpointError(str(e)) from e
+        async with self._gc_lock:  # no sweep starts while chunks are being referenced
+            self._packing += 1
+        try:
+            packed = await asyncio.to_thread(store.pack, image_files(folder))
+            m.storage, m.key_id = "chunks", store.space
+            m.chunks = {n: p.chunks for n, p in packed.items()}
+            m.files = {n: p.digest for n, p in packed.items()}
+            m.sizes = {n: p.size for n, p in packed.items()}
+            m.image_bytes = sum(m.sizes.values())
+            m.new_bytes = sum(p.new_bytes for p in packed.values())
+            m.stored_bytes = sum(p.stored_bytes for p in packed.values())
+            m.chunk_bytes = 0
+            m.verification = "page-cache"
+            if self.verify_read_back:
+                await asyncio.to_thread(store.drop_cached, m.key_id, m.chunks)
+                problems = await asyncio.to_thread(store.check, m.key_id, m.chunks)
+                if problems:
+                    raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
+                m.verification = "read-back"
+        finally:
+            self._packing -= 1
+
+    def _seal_token(self, token: str) -> str:
+        """The server's API token as the manifest keeps it: sealed when encrypting at rest."""
+        keys = self.keys() if token else []
+        if not keys:
+            return token
+        return "sealed:" + keys[0].seal(token.encode(), b"api_token").hex()
+
+    @staticmethod
+    def _drop_files(folder: Path) -> None:
+        """Delete the raw image files of a checkpoint kept as chunks (logs stay)."""
+        for path in image_files(folder):
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+    async def sweep_chunks(self) -> tuple[int, int]:
+        """Delete chunks no checkpoint uses any more; (count, bytes). Skipped (0, 0) while
+        a checkpoint is being written or any checkpoint folder cannot be read: a chunk is
+        only deleted when it is certainly unused."""
+        if not (self.root / STORE).is_dir():
+            return 0, 0
+        async with self._gc_lock:
+            if self._packing or self._active:
+                return 0, 0
+            referenced: set[tuple[str, str]] = set()
+            for sdir in self._server_dirs():
+                for folder in sdir.iterdir():
+                    if not folder.is_dir():
+                        continue
+                    try:
+                        m = Manifest.load(folder)
+                    except (OSError, ValueError, TypeError) as e:
+                        self.log.warning(
+                            "chunk sweep skipped: checkpoint folder %s has no readable manifest (%s); "
+                            "recover or remove it by hand (docs/operations.md)", folder, e,
+                        )  # fmt: skip
+                        return 0, 0
+                    if m.status == "writing":
+                        return 0, 0
+                    for refs in m.chunks.values():
+                        referenced.update((m.key_id, cid) for cid, _ in refs)
+            count, freed = await asyncio.to_thread(self.chunk_store().sweep, referenced)
+        if count:
+            self.log.info("deleted %d unused chunks (%.1f MiB)", count, freed / 2**20)
+        return count, freed
+
+    def _server_dirs(self):
+        if not self.root.is_dir():
+            return
+        for udir in sorted(p for p in self.root.iterdir() if not p.name.startswith(".")):
+            if udir.is_dir():
+                yield from (s for s in sorted(udir.iterdir()) if s.is_dir())
 
     async def _fail(
         self, folder: Path, m: Manifest, key: str, pids: list[int], cuda_pids: list[int], why: str
@@ -655,9 +821,21 @@ class LocalBackend(CheckpointBackend):
     async def resume_token(self, checkpoint_id: str) -> str:
         """The Hub API token the checkpointed server holds ('' if it had none)."""
         try:
-            return Manifest.load(self.folder(checkpoint_id)).api_token
+            token = Manifest.load(self.folder(checkpoint_id)).api_token
         except (OSError, ValueError):
             return ""
+        if token.startswith("sealed:"):
+            sealed = bytes.fromhex(token[len("sealed:") :])
+            for key in self.keys():
+                try:
+                    return key.open(sealed, b"api_token").decode()
+                except ValueError:
+                    continue
+            raise CheckpointError(
+                f"checkpoint {checkpoint_id}: its API token is sealed with a key that is not in "
+                f"{self.encryption_key_file or 'LocalBackend.encryption_key_file (unset)'}: put that key back"
+            )
+        return token
 
     async def writing(self, user: str, server_name: str) -> CheckpointInfo | None:
         """The checkpoint of this server being written right now, if any."""
@@ -698,6 +876,10 @@ class LocalBackend(CheckpointBackend):
         m.save(folder)
 
     async def delete(self, checkpoint_id: str) -> None:
+        await self._delete(checkpoint_id)
+        await self.sweep_chunks()
+
+    async def _delete(self, checkpoint_id: str) -> None:
         folder = self.folder(checkpoint_id)
         try:
             m = Manifest.load(folder)
@@ -742,8 +924,9 @@ class LocalBackend(CheckpointBackend):
             too_old = now - m.created > self.max_age_days * 86400
             if too_many or too_old:
                 cid = self._id(folder)
-                await self.delete(cid)
+                await self._delete(cid)
                 deleted.append(cid)
+        await self.sweep_chunks()
         return deleted
 
     def reserved_ports(self) -> set[int]:
@@ -783,12 +966,47 @@ class LocalBackend(CheckpointBackend):
         def damaged(problems: list[str]) -> CheckpointError:
             return CheckpointError(f"{key}: image {info.id} is damaged: " + "; ".join(problems[:5]))
 
-        small = [n for n in m.files if not is_pages_file(n)]
-        pages = [n for n in m.files if is_pages_file(n)]
-        problems = await asyncio.to_thread(check, small)
-        if problems:
-            raise damaged(problems)
-        hashing = asyncio.ensure_future(asyncio.to_thread(check, pages))
+        if m.storage == "chunks":
+            # Every chunk is checked against its id while it is unpacked: nothing runs from
+            # a damaged image. The unpacked files only feed CRIU and go afterwards.
+            free = shutil.disk_usage(folder).free
+            if free < m.image_bytes:
+                raise CheckpointError(
+                    f"{key}: {free / 2**30:.1f} GiB free in {folder}, the image needs "
+                    f"{m.image_bytes / 2**30:.1f} GiB unpacked: free disk space and spawn again"
+                )
+            try:
+                store = self.chunk_store()
+            except KeyFileError as e:
+                raise CheckpointError(f"{key}: {e}") from e
+            try:
+                problems = await asyncio.to_thread(store.unpack, m.key_id, m.chunks, m.sizes, folder)
+            except BaseException:
+                self._drop_files(folder)
+                raise
+            if problems:
+                self._drop_files(folder)
+                raise damaged(problems)
+            hashing = asyncio.ensure_future(asyncio.sleep(0, []))
+        else:
+            small = [n for n in m.files if not is_pages_file(n)]
+            pages = [n for n in m.files if is_pages_file(n)]
+            problems = await asyncio.to_thread(check, small)
+            if problems:
+                raise damaged(problems)
+            hashing = asyncio.ensure_future(asyncio.to_thread(check, pages))
+        try:
+            return await self._restore_tree(
+                info, folder, m, key, hashing, damaged, restore_started, timeout
+            )
+        finally:
+            if m.storage == "chunks":
+                self._drop_files(folder)
+
+    async def _restore_tree(
+        self, info, folder, m, key, hashing, damaged, restore_started, timeout
+    ) -> tuple[int, str, int]:
+        """criu restore + GPU restore of a checked image (the second half of :meth:`restore`)."""
         try:
             restored = await criu.restore(
                 folder,

@@ -95,6 +95,14 @@ class Manifest:
     # The server's Hub API token, read from its environment: the restored server still
     # uses it. The image holds it anyway; it never leaves this root-only folder otherwise.
     api_token: str = ""
+    # "files": CRIU's image files in the folder, as written; "chunks": stored in the
+    # chunk store (see chunks.py) as ``chunks`` = {file: [[chunk id, length], …]}, in
+    # the store's ``key_id`` space ("plain" when not encrypted).
+    storage: str = "files"
+    key_id: str = ""
+    chunks: dict[str, list] = field(default_factory=dict)
+    stored_bytes: int = 0  # bytes the image's chunks take on disk (shared ones included)
+    new_bytes: int = 0  # bytes this checkpoint added to the chunk store
     extra: dict = field(default_factory=dict)
 
     def save(self, folder: Path | str, durable: bool = True) -> None:

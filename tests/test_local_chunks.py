@@ -1,0 +1,133 @@
+"""LocalBackend with storage = "chunks" (and encryption at rest): real CRIU, real trees."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from jupyterhub_gpusnap.checkpoint import CheckpointError
+from jupyterhub_gpusnap.checkpoint.chunks import STORE
+from jupyterhub_gpusnap.checkpoint.keys import KeyFileError, new_key_line
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend, is_alive
+from jupyterhub_gpusnap.checkpoint.manifest import MANIFEST, Manifest
+from jupyterhub_gpusnap.keys_cli import keys_in_use
+from jupyterhub_gpusnap.keys_cli import main as keys_main
+from jupyterhub_gpusnap.model import Server
+
+pytestmark = pytest.mark.criu
+
+TOKEN = "tok-3f9a1c0e7d5b4a2e"
+
+
+@pytest.fixture
+def key_file(tmp_path):
+    path = tmp_path / "keys"
+    path.write_text(new_key_line("k1") + "\n")
+    path.chmod(0o600)
+    return path
+
+
+def make_backend(tmp_path, **kw):
+    kw.setdefault("average_chunk_bytes", 64 << 10)  # small trees: small chunks
+    return LocalBackend(
+        checkpoint_dir=str(tmp_path / "ckpt"), min_free_bytes=0, storage="chunks", **kw
+    )
+
+
+def server_of(tree):
+    return Server(user="alice", name="", state={"pid": tree.pid})
+
+
+async def test_encrypted_chunks_round_trip_share_and_sweep(tmp_path, process_tree, key_file, monkeypatch, capsys):
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", TOKEN)
+    backend = make_backend(tmp_path, encryption_key_file=str(key_file), keep_last=1)
+    tree = process_tree(pidns=True)
+    await tree.wait_ready()
+    before = await tree.ask("inc")
+
+    info = await backend.checkpoint(server_of(tree))
+    assert info.status == "verified"
+    folder = backend.folder(info.id)
+    m = Manifest.load(folder)
+    assert m.storage == "chunks" and m.key_id == "k1" and info.extra["encrypted"]
+    assert m.new_bytes > 0 and m.stored_bytes > 0 and m.image_bytes > 0
+    assert not list(folder.glob("*.img")), "raw image files stay after packing"
+    # Secrets at rest: neither the token nor the server's memory is readable on disk.
+    assert TOKEN not in (folder / MANIFEST).read_text()
+    secret = json.dumps(before["secret"]).encode()
+    for chunk in (backend.root / STORE).rglob("*"):
+        if chunk.is_file():
+            assert stat.S_IMODE(chunk.stat().st_mode) == 0o600
+            data = chunk.read_bytes()
+            assert TOKEN.encode() not in data and secret not in data
+    assert await backend.resume_token(info.id) == TOKEN
+
+    tree.pid, _, _ = await backend.restore(info)
+    after = await tree.ask("inc")
+    assert after["secret"] == before["secret"] and after["count"] == before["count"] + 1
+    assert not list(folder.glob("*.img")), "unpacked files stay after the restore"
+
+    # The same server suspended again: most of its memory is already stored.
+    info2 = await backend.checkpoint(server_of(tree))
+    m2 = Manifest.load(backend.folder(info2.id))
+    assert m2.new_bytes < m2.stored_bytes / 2
+    # Retention (keep_last=1) deletes the first checkpoint; the sweep keeps what the
+    # second one shares with it and deletes only the rest.
+    def stored():
+        return {p.name for p in (backend.root / STORE).rglob("*") if p.is_file()}
+
+    before_sweep = stored()
+    assert await backend.apply_retention() == [info.id]
+    left = stored()
+    assert left < before_sweep  # the first checkpoint's own chunks are gone
+    assert {c for refs in m2.chunks.values() for c, _ in refs} == left
+    tree.pid, _, _ = await backend.restore(info2)
+    assert (await tree.ask("get"))["count"] == after["count"]
+
+    assert keys_in_use(backend.root) == {"k1": 1}
+    assert keys_main(["--checkpoint-dir", str(backend.root), "--key-file", str(key_file)]) == 0
+    other = tmp_path / "other-keys"
+    other.write_text(new_key_line("k2") + "\n")
+    other.chmod(0o600)
+    assert keys_main(["--checkpoint-dir", str(backend.root), "--key-file", str(other)]) == 1
+    assert "put the key back" in capsys.readouterr().out
+
+
+async def test_a_damaged_chunk_stops_the_restore_before_criu(tmp_path, process_tree):
+    backend = make_backend(tmp_path)
+    tree = process_tree(pidns=True)
+    await tree.wait_ready()
+    await tree.ask("inc")
+    info = await backend.checkpoint(server_of(tree))
+    m = Manifest.load(backend.folder(info.id))
+    cid = max((c for refs in m.chunks.values() for c in refs), key=lambda c: c[1])[0]
+    blob = backend.root / STORE / "plain" / cid[:2] / cid
+    data = bytearray(blob.read_bytes())
+    data[-100] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"damaged.*{cid[:12]}"):
+        await backend.restore(info)
+    assert not list(backend.folder(info.id).glob("restore-*.log")), "CRIU ran on a damaged image"
+    assert not list(backend.folder(info.id).glob("*.img"))
+
+
+async def test_rotation_without_the_old_key_names_the_fix(tmp_path, process_tree, key_file):
+    backend = make_backend(tmp_path, encryption_key_file=str(key_file))
+    tree = process_tree(pidns=True)
+    await tree.wait_ready()
+    info = await backend.checkpoint(server_of(tree))
+    key_file.write_text(new_key_line("k2") + "\n")  # the old key was dropped too early
+    with pytest.raises(CheckpointError, match="'k1'.*encryption_key_file"):
+        await backend.restore(info)
+    assert Manifest.load(backend.folder(info.id)).status == "verified"  # still restorable
+
+
+def test_encryption_needs_chunks_and_a_private_key_file(tmp_path, key_file):
+    with pytest.raises(KeyFileError, match="storage = 'chunks'"):
+        LocalBackend(checkpoint_dir=str(tmp_path), encryption_key_file=str(key_file))
+    os.chmod(key_file, 0o640)
+    with pytest.raises(KeyFileError, match="chmod 600"):
+        make_backend(tmp_path, encryption_key_file=str(key_file))
