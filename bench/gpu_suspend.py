@@ -15,7 +15,15 @@ For each size (GiB, from argv; default 1 8 24):
 
 The page cache is dropped before each restore where the kernel allows it (``cold_cache``).
 Needs root, an NVIDIA GPU with driver >= 570, PyTorch and CRIU >= 4.2.
-Usage: ``python bench/gpu_suspend.py [GIB ...] [--dir DIR]`` → bench/results/gpu_suspend.json.
+Each size runs ``--repeat`` times, ours and bare alternating which goes first (the first
+one pays the host memory's first touch); the row holds the medians, ``runs`` every run.
+``--gpus N``: the process holds GIB on each of N GPUs (the driver checkpoints them
+together); the rows then also give ``ratio_to_1gpu`` against a 1-GPU run of the same
+size per GPU in the same run. ``--storage chunks``: ours uses chunk storage.
+
+Usage: ``python bench/gpu_suspend.py [GIB ...] [--repeat N] [--gpus N] [--storage files|chunks]
+[--dir DIR]`` → bench/results/gpu_suspend.json (``gpu_suspend_<storage>_<N>gpu.json`` for
+other storage or GPU counts).
 """
 
 from __future__ import annotations
@@ -61,11 +69,11 @@ def drop_caches() -> bool:
 class Holder:
     """A detached process holding GPU data (bench/gpu_holder.py)."""
 
-    def __init__(self, gib: float, root: Path):
+    def __init__(self, gib: float, root: Path, gpus: int = 1):
         self.state = Path(tempfile.mkdtemp(dir=root, prefix="holder-"))
         log = open(self.state / "log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", str(HERE / "gpu_holder.py"), str(gib), str(self.state)],
+            [sys.executable, "-u", str(HERE / "gpu_holder.py"), str(gib), str(self.state), str(gpus)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd=self.state,
         )
         self.pid = self.proc.pid
@@ -112,8 +120,8 @@ def disk_write_gbps(root: Path, gib: int = 4) -> float:
     return round(gib * 2**30 / seconds / 1e9, 2)
 
 
-async def ours(gib: float, root: Path, backend: LocalBackend) -> dict:
-    h = Holder(gib, root)
+async def ours(gib: float, root: Path, backend: LocalBackend, gpus: int = 1) -> dict:
+    h = Holder(gib, root, gpus)
     before = h.checksum()
     server = Server(user="bench", name=f"g{gib:g}", state={"pid": h.pid})
     t = time.monotonic()
@@ -137,8 +145,8 @@ async def ours(gib: float, root: Path, backend: LocalBackend) -> dict:
     }
 
 
-async def bare(gib: float, root: Path, criu: str) -> dict:
-    h = Holder(gib, root)
+async def bare(gib: float, root: Path, criu: str, gpus: int = 1) -> dict:
+    h = Holder(gib, root, gpus)
     before = h.checksum()
     cuda = CudaCheckpoint()
     if not cuda.available():
@@ -184,39 +192,79 @@ async def bare(gib: float, root: Path, criu: str) -> dict:
     }
 
 
-async def main(sizes: list[float], root: Path) -> None:
+def median(values: list[float]) -> float:
+    v = sorted(values)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else round((v[mid - 1] + v[mid]) / 2, 3)
+
+
+async def one_run(gib: float, root: Path, backend: LocalBackend, criu: str, gpus: int, bare_first: bool) -> dict:
+    if bare_first:
+        b = await bare(gib, root, criu, gpus)
+        o = await ours(gib, root, backend, gpus)
+    else:
+        o = await ours(gib, root, backend, gpus)
+        b = await bare(gib, root, criu, gpus)
+    row = {**o, **b, "bare_first": bare_first}
+    row["gpu_free_ratio"] = round(row["time_to_gpu_free_s"] / row["driver_checkpoint_s"], 3)
+    row["disk_ratio"] = round(row["time_to_disk_s"] / row["bare_suspend_s"], 3)
+    row["durable_disk_ratio"] = round(row["time_to_disk_s"] / row["bare_durable_suspend_s"], 3)
+    row["restore_ratio"] = round(row["restore_s"] / row["bare_restore_s"], 3)
+    for c in await backend.list("bench"):
+        await backend.delete(c.id)
+    return row
+
+
+async def main(sizes: list[float], root: Path, repeat: int, gpus: int, storage: str) -> None:
     criu = find_criu()
     if not criu:
         sys.exit("criu not found: install it with .ci/install-criu.sh")
     root.mkdir(parents=True, exist_ok=True)
-    backend = LocalBackend(checkpoint_dir=str(root / "checkpoints"), criu_path=criu, min_free_bytes=0, keep_last=1)
+    backend = LocalBackend(
+        checkpoint_dir=str(root / "checkpoints"), criu_path=criu, min_free_bytes=0, keep_last=1,
+        storage=storage,
+    )
     await backend.setup()
     disk = disk_write_gbps(root)
+    about = machine()
+    name = "gpu_suspend" if (storage, gpus) == ("files", 1) else f"gpu_suspend_{storage}_{gpus}gpu"
+    path = results_dir() / f"{name}.json"
     rows = []
     for gib in sizes:
-        row = {"gib": gib, **await ours(gib, root, backend), **await bare(gib, root, criu)}
-        row["gpu_free_ratio"] = round(row["time_to_gpu_free_s"] / row["driver_checkpoint_s"], 3)
-        row["disk_ratio"] = round(row["time_to_disk_s"] / row["bare_suspend_s"], 3)
-        row["durable_disk_ratio"] = round(row["time_to_disk_s"] / row["bare_durable_suspend_s"], 3)
-        row["restore_ratio"] = round(row["restore_s"] / row["bare_restore_s"], 3)
+        runs = []
+        for r in range(repeat):
+            run = await one_run(gib, root, backend, criu, gpus, bare_first=bool(r % 2))
+            runs.append(run)
+            print(f"{gib:g} GiB x {gpus} GPU run {r + 1}: {run}", flush=True)
+        row = {"gib": gib, "gpus": gpus, "storage": storage, "repeat": repeat}
+        for k, v in runs[0].items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                row[k] = all(x[k] for x in runs) if isinstance(v, bool) else v
+            else:
+                row[k] = median([x[k] for x in runs])
+        if gpus > 1:  # the same size per GPU on one GPU, same run
+            one = [await one_run(gib, root, backend, criu, 1, bare_first=bool(r % 2)) for r in range(repeat)]
+            for k in ("time_to_gpu_free_s", "time_to_disk_s", "restore_s", "driver_checkpoint_s", "driver_restore_s"):
+                row[f"one_gpu_{k}"] = median([x[k] for x in one])
+                row[f"ratio_to_1gpu_{k}"] = round(row[k] / row[f"one_gpu_{k}"], 3)
         row["disk_write_GBps"] = disk
-        rows.append(row)
-        print(f"{gib:g} GiB done: {row}", flush=True)
-        for c in await backend.list("bench"):
-            await backend.delete(c.id)
-    print_table(rows, COLUMNS)
-    print(f"disk write {disk} GB/s (O_DIRECT)")
-    about = machine()
-    for row in rows:
+        row["runs"] = runs
         row["machine"] = about
-    path = results_dir() / "gpu_suspend.json"
-    path.write_text(json.dumps(rows, indent=2) + "\n")
+        rows.append(row)
+        path.write_text(json.dumps(rows, indent=2) + "\n")  # after each size: a cut-off run keeps them
+    print_table(rows, COLUMNS)
+    if gpus > 1:
+        print_table(rows, ["gib", "gpus"] + [c for c in rows[0] if c.startswith(("one_gpu_", "ratio_to_1gpu_"))])
+    print(f"disk write {disk} GB/s (O_DIRECT)")
     print(f"wrote {path}")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("sizes", nargs="*", type=float, default=[1, 8, 24])
+    p.add_argument("--repeat", type=int, default=3, help="runs per size (medians reported)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs the process holds data on")
+    p.add_argument("--storage", choices=["files", "chunks"], default="files", help="LocalBackend.storage")
     p.add_argument("--dir", default="/var/tmp/gpusnap-bench")
     a = p.parse_args()
-    asyncio.run(main(a.sizes, Path(a.dir)))
+    asyncio.run(main(a.sizes, Path(a.dir), a.repeat, a.gpus, a.storage))

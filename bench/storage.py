@@ -1,0 +1,170 @@
+"""Snapshot size and speed: chunk storage (zstd, shared chunks) against raw CRIU images.
+
+For each kind of data (``weights``: bf16 model weights; ``random``: the worst case) a
+detached process holds GIB GiB in host memory (bench/mem_holder.py) and is checkpointed
+and restored through ``LocalBackend``:
+
+- ``files``: CRIU's raw image files (checksummed, fsync'ed) — the baseline;
+- ``chunks``: the same process again, stored as compressed, content-addressed chunks;
+- ``chunks, again``: suspended a second time (what a server idle twice costs);
+- ``chunks, user 2`` / ``user 3``: other processes holding the same weights (the same
+  model loaded by several users).
+
+``written_bytes`` is what reached the disk for the image (raw: the image; chunks: the
+new chunks), ``suspend_s`` the whole checkpoint call (dump, checksums/compression,
+durable), ``restore_s`` the whole restore call with the image dropped from the page
+cache first (``posix_fadvise``), so the restore reads the disk. Ratios are to the
+``files`` row of the same data in the same run. ``intact``: the data's sha256 after the
+restore equals the one before.
+
+Usage: ``python bench/storage.py [--gib 4] [--kinds weights random] [--dir DIR]``
+→ bench/results/storage.json. Needs root and CRIU >= 4.2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import print_table, write_json
+
+from jupyterhub_gpusnap.checkpoint.criu import find_criu
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend
+from jupyterhub_gpusnap.checkpoint.manifest import Manifest, drop_cached
+from jupyterhub_gpusnap.model import Server
+
+HERE = Path(__file__).parent
+COLUMNS = [
+    "kind", "gib", "mode", "image_bytes", "written_bytes", "written_ratio", "suspend_s",
+    "suspend_ratio", "restore_s", "restore_ratio", "intact",
+]
+
+
+class Holder:
+    def __init__(self, kind: str, gib: float, seed: int, root: Path):
+        self.state = Path(tempfile.mkdtemp(dir=root, prefix="holder-"))
+        log = open(self.state / "log", "w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", str(HERE / "mem_holder.py"), kind, str(gib), str(seed), str(self.state)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd=self.state,
+        )
+        self.pid = self.proc.pid
+        self.n = 0
+        deadline = time.monotonic() + 600
+        while not (self.state / "ready").exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("holder did not start: " + (self.state / "log").read_text()[-2000:])
+            time.sleep(0.1)
+        self.how = (self.state / "ready").read_text()
+
+    def checksum(self) -> str:
+        self.n += 1
+        os.kill(self.pid, signal.SIGUSR1)
+        path = self.state / f"checksum.{self.n}"
+        while not path.exists():
+            time.sleep(0.05)
+        return path.read_text()
+
+
+def drop_image(backend: LocalBackend, checkpoint_id: str) -> None:
+    """Drop a checkpoint's image from the page cache: the restore reads the disk."""
+    folder = backend.folder(checkpoint_id)
+    m = Manifest.load(folder)
+    if m.storage == "chunks":
+        backend.chunk_store().drop_cached(m.key_id, m.chunks)
+    else:
+        drop_cached(folder)
+
+
+async def cycle(backend: LocalBackend, h: Holder, name: str) -> dict:
+    """Checkpoint ``h`` (its current pid), restore it; the row's figures."""
+    before = h.checksum()
+    t = time.monotonic()
+    info = await backend.checkpoint(Server(user="bench", name=name, state={"pid": h.pid}))
+    suspend_s = time.monotonic() - t
+    try:
+        h.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    await asyncio.to_thread(drop_image, backend, info.id)
+    t = time.monotonic()
+    pid, _, _ = await backend.restore(info)
+    restore_s = time.monotonic() - t
+    h.pid = pid
+    m = Manifest.load(backend.folder(info.id))
+    written = m.new_bytes if m.storage == "chunks" else m.image_bytes
+    return {
+        "image_bytes": m.image_bytes,
+        "written_bytes": written,
+        "stored_bytes": m.stored_bytes or m.image_bytes,
+        "suspend_s": round(suspend_s, 3),
+        "restore_s": round(restore_s, 3),
+        "intact": h.checksum() == before,
+    }
+
+
+def kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+async def main(gib: float, kinds: list[str], root: Path, level: int) -> None:
+    criu = find_criu()
+    if not criu:
+        sys.exit("criu not found: install it with .ci/install-criu.sh")
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    common = dict(criu_path=criu, min_free_bytes=0, keep_last=10)
+    files = LocalBackend(checkpoint_dir=str(root / "files"), storage="files", **common)
+    chunks = LocalBackend(
+        checkpoint_dir=str(root / "chunks"), storage="chunks", compression_level=level, **common
+    )
+    rows = []
+    how = {}
+    for kind in kinds:
+        h = Holder(kind, gib, 1, root)
+        how[kind] = h.how
+        base = {"kind": kind, "gib": gib}
+        got = [dict(base, mode="files", **await cycle(files, h, kind))]
+        got.append(dict(base, mode="chunks", **await cycle(chunks, h, kind)))
+        got.append(dict(base, mode="chunks, again", **await cycle(chunks, h, kind)))
+        kill(h.pid)
+        if kind == "weights":
+            for user in (2, 3):
+                other = Holder(kind, gib, 1, root)
+                got.append(dict(base, mode=f"chunks, user {user}", **await cycle(chunks, other, f"{kind}-{user}")))
+                kill(other.pid)
+        ref = got[0]
+        for row in got:
+            row["written_ratio"] = round(row["written_bytes"] / ref["written_bytes"], 3)
+            row["suspend_ratio"] = round(row["suspend_s"] / ref["suspend_s"], 3)
+            row["restore_ratio"] = round(row["restore_s"] / ref["restore_s"], 3)
+        rows += got
+        print_table(got, COLUMNS)
+    print()
+    table = print_table(rows, COLUMNS)
+    write_json(
+        "storage", rows, data=how, compression_level=level, table=table,
+        average_chunk_bytes=chunks.average_chunk_bytes,
+    )
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--gib", type=float, default=4)
+    p.add_argument("--kinds", nargs="*", default=["weights", "random"])
+    p.add_argument("--level", type=int, default=1, help="LocalBackend.compression_level")
+    p.add_argument("--dir", default="/var/tmp/gpusnap-storage-bench")
+    a = p.parse_args()
+    asyncio.run(main(a.gib, a.kinds, Path(a.dir), a.level))
