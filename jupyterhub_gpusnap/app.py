@@ -20,7 +20,7 @@ from tornado.httpserver import HTTPServer
 from traitlets import Bool, Dict, Float, List, TraitError, Type, Unicode, default, validate
 from traitlets.config import Application
 
-from . import __version__, metrics
+from . import __version__
 from .checkpoint.base import CheckpointBackend
 from .hub import HubClient
 from .hubconfig import CUSTOM_SCOPES, REQUIRED_SCOPES  # noqa: F401  (re-exported)
@@ -28,6 +28,30 @@ from .policy import Policy, Rule
 from .signals.base import SignalSource
 from .store import Store
 from .watcher import Watcher
+
+
+def gpu_hours_freed(events: list[dict], since: float, now: float) -> float:
+    """GPU-hours that suspended servers gave back between ``since`` and ``now``.
+
+    Each suspension counts from its ``suspend`` event until the server's next ``restore``
+    or ``restore_failed`` event (or ``now``), times the GPUs its checkpoint recorded, cut
+    to the window: a server suspended for three days adds at most 24 h per GPU to a
+    daily digest.
+    """
+    held: dict[str, tuple[float, int]] = {}
+    total = 0.0
+
+    def add(start: float, end: float, gpus: int) -> float:
+        return max(0.0, min(end, now) - max(start, since)) * gpus
+
+    for e in sorted(events, key=lambda e: (e["time"], e.get("id", 0))):
+        if e["kind"] == "suspend":
+            held[e["key"]] = (e["time"], int((e.get("detail") or {}).get("gpu_count") or 0))
+        elif e["kind"] in ("restore", "restore_failed") and e["key"] in held:
+            start, gpus = held.pop(e["key"])
+            total += add(start, e["time"], gpus)
+    total += sum(add(start, now, gpus) for start, gpus in held.values())
+    return total / 3600
 
 
 class GpuSnap(Application):
@@ -389,7 +413,7 @@ class GpuSnap(Application):
             "suspensions": count("suspend"),
             "restores": count("restore"),
             "failures": count("suspend_failed") + count("restore_failed"),
-            "gpu_hours": round(metrics.GPU_SECONDS_FREED._value.get() / 3600, 1),
+            "gpu_hours": round(gpu_hours_freed(self.store.events(None, limit=100000), since, now), 1),
             "failed_servers": [{"server": e["key"], "error": (e["detail"] or {}).get("error", "")}
                                for e in events if e["kind"] in ("suspend_failed", "restore_failed")],
             "hub_url": self.public_url,

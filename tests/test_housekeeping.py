@@ -48,3 +48,26 @@ c.Notifier.digest_hour = 0
         assert app._last_retention > 0
     finally:
         smtp.stop()
+
+
+def test_digest_gpu_hours_count_the_last_24_hours_only():
+    from jupyterhub_gpusnap.app import gpu_hours_freed
+
+    now = 1_800_000_000.0
+    h = 3600.0
+
+    def ev(i, key, kind, hours_ago, gpus=None):
+        detail = {"gpu_count": gpus} if gpus is not None else {}
+        return {"id": i, "key": key, "kind": kind, "time": now - hours_ago * h, "detail": detail}
+
+    events = [
+        ev(1, "alice/", "suspend", 72, gpus=2),  # still suspended: 24 h x 2 GPUs in the window
+        ev(2, "bob/", "suspend", 30, gpus=1),  # restored 20 h ago: 4 h in the window
+        ev(3, "bob/", "restore", 20),
+        ev(4, "carol/", "suspend", 5, gpus=1),  # restore failed 2 h ago: 3 h
+        ev(5, "carol/", "restore_failed", 2),
+        ev(6, "dave/", "suspend", 50, gpus=4),  # restored before the window: nothing
+        ev(7, "dave/", "restore", 40),
+        ev(8, "erin/", "suspend", 1, gpus=0),  # a CPU-only server: nothing
+    ]
+    assert gpu_hours_freed(list(reversed(events)), now - 24 * h, now) == pytest.approx(48 + 4 + 3)
