@@ -136,12 +136,29 @@ def test_sweep_deletes_only_unreferenced_chunks(tmp_path, pool):
     b.write_bytes(pages(700, 2))
     pa, pb = pack_one(store, a), pack_one(store, b)
     keep = {("plain", cid) for cid, _ in pa.chunks}
-    count, freed = store.sweep(keep)
+    count, freed = store.sweep(lambda: keep)
     assert count == len({c for c, _ in pb.chunks}) and freed > 0
     out = tmp_path / "out"
     out.mkdir()
     assert store.unpack("plain", {"pages-1.img": pa.chunks}, {"pages-1.img": pa.size}, out) == []
-    assert store.sweep(keep) == (0, 0)
+    assert store.sweep(lambda: keep) == (0, 0)
+    assert store.sweep(lambda: None) == (0, 0)  # called off: nothing deleted
+    assert store.unpack("plain", {"pages-1.img": pa.chunks}, {"pages-1.img": pa.size}, out) == []
+
+
+def test_no_sweep_while_a_pack_holds_the_store(tmp_path, pool):
+    import fcntl
+
+    store = ChunkStore(tmp_path / ".chunks", pool, avg_pages=64)
+    a = tmp_path / "pages-1.img"
+    a.write_bytes(pages(300, 1))
+    packed = pack_one(store, a)
+    with store._locked(fcntl.LOCK_SH):  # what pack() holds, from another process too
+        assert store.sweep(lambda: set()) == (0, 0)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert store.unpack("plain", {"x": packed.chunks}, {"x": packed.size}, out) == []
+    assert store.sweep(lambda: set())[0] == len({c for c, _ in packed.chunks})
 
 
 def test_key_file_checks(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from jupyterhub_gpusnap.checkpoint import CheckpointError
 from jupyterhub_gpusnap.checkpoint.chunks import STORE
 from jupyterhub_gpusnap.checkpoint.keys import KeyFileError, new_key_line
-from jupyterhub_gpusnap.checkpoint.local import LocalBackend, is_alive
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend
 from jupyterhub_gpusnap.checkpoint.manifest import MANIFEST, Manifest
 from jupyterhub_gpusnap.keys_cli import keys_in_use
 from jupyterhub_gpusnap.keys_cli import main as keys_main
@@ -77,7 +77,7 @@ async def test_encrypted_chunks_round_trip_share_and_sweep(tmp_path, process_tre
     # Retention (keep_last=1) deletes the first checkpoint; the sweep keeps what the
     # second one shares with it and deletes only the rest.
     def stored():
-        return {p.name for p in (backend.root / STORE).rglob("*") if p.is_file()}
+        return {p.name for p in (backend.root / STORE).rglob("*") if p.is_file() and p.name != ".lock"}
 
     before_sweep = stored()
     assert await backend.apply_retention() == [info.id]

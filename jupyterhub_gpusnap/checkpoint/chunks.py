@@ -32,12 +32,14 @@ renamed into place; :func:`syncfs` makes all of them durable with one call.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import mmap
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,11 +259,27 @@ class ChunkStore:
         out.digest = h.hexdigest()
         return out
 
-    def pack(self, paths: Iterable[Path]) -> dict[str, Packed]:
-        """Store every file of ``paths``, then make the store durable; {name: Packed}."""
+    @contextlib.contextmanager
+    def _locked(self, mode: int):
+        """flock on ``<root>/.lock``: packs share it, a sweep needs it alone (any process)."""
         self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        out = {p.name: self.pack_file(p) for p in paths}
-        syncfs(self.root)
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, mode)
+            yield
+        finally:
+            os.close(fd)
+
+    def pack(self, paths: Iterable[Path]) -> dict[str, Packed]:
+        """Store every file of ``paths``, then make the store durable; {name: Packed}.
+
+        Holds the store's lock shared: no sweep (in any process) runs meanwhile. The caller
+        must record the chunks in a manifest — its checkpoint marked ``writing`` until then,
+        which stops sweeps too — before the lock's protection matters again.
+        """
+        with self._locked(fcntl.LOCK_SH):
+            out = {p.name: self.pack_file(p) for p in paths}
+            syncfs(self.root)
         return out
 
     # ------------------------------------------------------------ read
@@ -356,14 +374,25 @@ class ChunkStore:
                 os.close(fd)
 
     # ------------------------------------------------------------ garbage
-    def sweep(self, referenced: set[tuple[str, str]]) -> tuple[int, int]:
+    def sweep(self, referenced: Callable[[], set[tuple[str, str]] | None]) -> tuple[int, int]:
         """Delete chunks no checkpoint lists (and leftover temporary files); (count, bytes).
 
-        The caller guarantees no checkpoint is being written meanwhile.
+        ``referenced()`` gives the ``(space, id)`` pairs in use, or None to call the sweep
+        off (a checkpoint being written, an unreadable manifest). It is called with the
+        store's lock held alone, so no pack runs meanwhile; if a pack holds it, the sweep
+        is skipped (the next one catches up).
         """
-        count = freed = 0
         if not self.root.is_dir():
             return 0, 0
+        try:
+            with self._locked(fcntl.LOCK_EX | fcntl.LOCK_NB):
+                keep = referenced()
+                return (0, 0) if keep is None else self._sweep(keep)
+        except BlockingIOError:
+            return 0, 0
+
+    def _sweep(self, referenced: set[tuple[str, str]]) -> tuple[int, int]:
+        count = freed = 0
         for space in self.root.iterdir():
             if not space.is_dir():
                 continue

@@ -285,8 +285,6 @@ class LocalBackend(CheckpointBackend):
                     "(only chunks are encrypted): set both"
                 )
             load_keys(self.encryption_key_file)  # a bad key file fails at start-up
-        self._gc_lock = asyncio.Lock()
-        self._packing = 0
         self._pool_obj: ThreadPoolExecutor | None = None
         self._criu_ok: dict[tuple[str, str], str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
@@ -670,27 +668,22 @@ class LocalBackend(CheckpointBackend):
             store = self.chunk_store()
         except KeyFileError as e:
             raise CheckpointError(str(e)) from e
-        async with self._gc_lock:  # no sweep starts while chunks are being referenced
-            self._packing += 1
-        try:
-            packed = await asyncio.to_thread(store.pack, image_files(folder))
-            m.storage, m.key_id = "chunks", store.space
-            m.chunks = {n: p.chunks for n, p in packed.items()}
-            m.files = {n: p.digest for n, p in packed.items()}
-            m.sizes = {n: p.size for n, p in packed.items()}
-            m.image_bytes = sum(m.sizes.values())
-            m.new_bytes = sum(p.new_bytes for p in packed.values())
-            m.stored_bytes = sum(p.stored_bytes for p in packed.values())
-            m.chunk_bytes = 0
-            m.verification = "page-cache"
-            if self.verify_read_back:
-                await asyncio.to_thread(store.drop_cached, m.key_id, m.chunks)
-                problems = await asyncio.to_thread(store.check, m.key_id, m.chunks)
-                if problems:
-                    raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
-                m.verification = "read-back"
-        finally:
-            self._packing -= 1
+        packed = await asyncio.to_thread(store.pack, image_files(folder))
+        m.storage, m.key_id = "chunks", store.space
+        m.chunks = {n: p.chunks for n, p in packed.items()}
+        m.files = {n: p.digest for n, p in packed.items()}
+        m.sizes = {n: p.size for n, p in packed.items()}
+        m.image_bytes = sum(m.sizes.values())
+        m.new_bytes = sum(p.new_bytes for p in packed.values())
+        m.stored_bytes = sum(p.stored_bytes for p in packed.values())
+        m.chunk_bytes = 0
+        m.verification = "page-cache"
+        if self.verify_read_back:
+            await asyncio.to_thread(store.drop_cached, m.key_id, m.chunks)
+            problems = await asyncio.to_thread(store.check, m.key_id, m.chunks)
+            if problems:
+                raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
+            m.verification = "read-back"
 
     def _seal_token(self, token: str) -> str:
         """The server's API token as the manifest keeps it: sealed when encrypting at rest."""
@@ -708,34 +701,36 @@ class LocalBackend(CheckpointBackend):
 
     async def sweep_chunks(self) -> tuple[int, int]:
         """Delete chunks no checkpoint uses any more; (count, bytes). Skipped (0, 0) while
-        a checkpoint is being written or any checkpoint folder cannot be read: a chunk is
+        a checkpoint is being written (by this process or, through the store's lock and the
+        ``writing`` manifests, any other) or any checkpoint folder cannot be read: a chunk is
         only deleted when it is certainly unused."""
-        if not (self.root / STORE).is_dir():
+        if not (self.root / STORE).is_dir() or self._active:
             return 0, 0
-        async with self._gc_lock:
-            if self._packing or self._active:
-                return 0, 0
-            referenced: set[tuple[str, str]] = set()
-            for sdir in self._server_dirs():
-                for folder in sdir.iterdir():
-                    if not folder.is_dir():
-                        continue
-                    try:
-                        m = Manifest.load(folder)
-                    except (OSError, ValueError, TypeError) as e:
-                        self.log.warning(
-                            "chunk sweep skipped: checkpoint folder %s has no readable manifest (%s); "
-                            "recover or remove it by hand (docs/operations.md)", folder, e,
-                        )  # fmt: skip
-                        return 0, 0
-                    if m.status == "writing":
-                        return 0, 0
-                    for refs in m.chunks.values():
-                        referenced.update((m.key_id, cid) for cid, _ in refs)
-            count, freed = await asyncio.to_thread(self.chunk_store().sweep, referenced)
+        count, freed = await asyncio.to_thread(self.chunk_store().sweep, self._referenced)
         if count:
             self.log.info("deleted %d unused chunks (%.1f MiB)", count, freed / 2**20)
         return count, freed
+
+    def _referenced(self) -> set[tuple[str, str]] | None:
+        """The (space, chunk id) pairs checkpoints list; None when that cannot be known."""
+        referenced: set[tuple[str, str]] = set()
+        for sdir in self._server_dirs():
+            for folder in sdir.iterdir():
+                if not folder.is_dir():
+                    continue
+                try:
+                    m = Manifest.load(folder)
+                except (OSError, ValueError, TypeError) as e:
+                    self.log.warning(
+                        "chunk sweep skipped: checkpoint folder %s has no readable manifest (%s); "
+                        "recover or remove it by hand (docs/operations.md)", folder, e,
+                    )  # fmt: skip
+                    return None
+                if m.status == "writing":
+                    return None
+                for refs in m.chunks.values():
+                    referenced.update((m.key_id, cid) for cid, _ in refs)
+        return referenced
 
     def _server_dirs(self):
         if not self.root.is_dir():
@@ -1092,6 +1087,8 @@ class LocalBackend(CheckpointBackend):
         """
         done = []
         for folder, m in self._load_all():
+            if m.storage == "chunks" and m.status != "writing":
+                self._drop_files(folder)  # raw files a crash left after packing
             if m.status != "writing":
                 continue
             key = server_key(m.user, m.server)
