@@ -556,6 +556,7 @@ class LocalBackend(CheckpointBackend):
             driver_version=inv.get("driver_version", ""),
         )
         m.extra["tree"] = pids
+        m.extra["gpu_devices"] = list(inv.get("gpu_devices", []))
         cuda = self.cuda()
         # Not fsync'ed: it must outlive a crash of the service (recover() then resumes the
         # tree); a crash of the machine loses the suspended GPU state anyway.
@@ -947,6 +948,14 @@ class LocalBackend(CheckpointBackend):
         if m.status != "verified":
             raise CheckpointError(f"{key}: checkpoint {info.id} is {m.status}, not verified")
         await self._require_criu()
+        if m.cuda_pids and self.cuda() is not None:
+            try:
+                here = await asyncio.to_thread(self.cuda().gpu_inventory)
+            except Exception as e:
+                here = {"error": str(e)}
+            why = gpu_mismatch(m, here)
+            if why:
+                raise CheckpointError(f"{key}: checkpoint {info.id} cannot be restored here: {why}")
 
         def check(names):
             return verify_image(
@@ -1125,6 +1134,39 @@ class LocalBackend(CheckpointBackend):
                 )
             done.append(self._id(folder))
         return done
+
+
+def gpu_mismatch(m: Manifest, here: dict) -> str:
+    """Why GPU memory checkpointed as ``m`` cannot be restored on a host with GPUs ``here``
+    (a :meth:`CudaCheckpoint.gpu_inventory`), or '' if it can. The driver restores GPU
+    memory only onto the same GPU model, count and driver."""
+    if not m.cuda_pids:
+        return ""
+    if not here.get("gpu_count"):
+        reason = here.get("error") or "NVML finds no GPU"
+        return (
+            f"it holds GPU memory from {m.gpu_model or 'a GPU'} but this host has no usable GPU "
+            f"({reason}); restore it on a host with that GPU"
+        )
+    if m.gpu_model and here.get("gpu_model") != m.gpu_model:
+        return (
+            f"it was taken on {m.gpu_model} and this host has {here.get('gpu_model')}; the driver "
+            f"restores GPU memory only onto the same GPU model: restore it on a {m.gpu_model} host"
+        )
+    devices = m.extra.get("gpu_devices") or []
+    if devices and max(devices) >= here["gpu_count"]:
+        return (
+            f"it used GPU {max(devices)} and this host has {here['gpu_count']} GPU(s): restore "
+            f"it on a host with at least {max(devices) + 1}"
+        )
+    if m.driver_version and here.get("driver_version") and here["driver_version"] != m.driver_version:
+        return (
+            f"it was taken with NVIDIA driver {m.driver_version} and this host runs "
+            f"{here['driver_version']}; GPU checkpoints restore only under the driver that took "
+            f"them: go back to {m.driver_version} to restore it (restore suspended servers before "
+            "upgrading the driver)"
+        )
+    return ""
 
 
 def _dump_finished(folder: Path) -> bool:
