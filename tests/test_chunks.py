@@ -179,3 +179,63 @@ def test_key_file_checks(tmp_path):
         load_keys(tmp_path / "missing")
     with pytest.raises(KeyFileError, match="key id"):
         new_key_line("bad id")
+
+
+def test_following_a_growing_file_gives_the_chunks_of_packing_it_whole(tmp_path, pool):
+    import threading
+    import time
+
+    store = ChunkStore(tmp_path / ".chunks", pool, avg_pages=64)
+    folder = tmp_path / "dump"
+    folder.mkdir()
+    data = pages(4000, 11)  # ~16 MiB, written in pieces like CRIU's page writes
+    path = folder / "pages-1.img"
+    follower = store.follow(folder, interval=0.01)
+
+    def write():
+        with open(path, "wb") as f:
+            for i in range(0, len(data), 37 * PAGE):
+                f.write(data[i : i + 37 * PAGE])
+                f.flush()
+                time.sleep(0.002)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    writer.join()
+    deadline = time.monotonic() + 30
+    while not follower.packers.get(path.name) or not follower.packers[path.name].done:
+        assert time.monotonic() < deadline, "the follower packed nothing before finish()"
+        time.sleep(0.01)
+    (folder / "core-1.img").write_bytes(b"core")
+    followed = follower.finish(sorted(folder.iterdir()))
+    whole = ChunkStore(tmp_path / ".chunks2", pool, avg_pages=64).pack(sorted(folder.iterdir()))
+    assert followed["pages-1.img"].chunks == whole["pages-1.img"].chunks
+    assert followed["pages-1.img"].size == len(data)
+    assert followed["core-1.img"].chunks == whole["core-1.img"].chunks
+    out = tmp_path / "out"
+    out.mkdir()
+    chunks = {n: p.chunks for n, p in followed.items()}
+    assert store.unpack("plain", chunks, {n: p.size for n, p in followed.items()}, out) == []
+    assert (out / "pages-1.img").read_bytes() == data
+    assert store.sweep(lambda: set())[0] > 0  # finish() released the store's lock
+
+
+def test_packing_step_by_step_cuts_where_packing_whole_does(tmp_path, pool):
+    from jupyterhub_gpusnap.checkpoint.chunks import _FilePacker
+
+    store = ChunkStore(tmp_path / ".chunks", pool, avg_pages=64)
+    data = pages(3000, 12)
+    path = tmp_path / "pages-1.img"
+    path.write_bytes(b"")
+    packer = _FilePacker(store, path)
+    steps = 0
+    with open(path, "ab") as f:
+        for i in range(0, len(data), 700 * PAGE + 123):  # pieces not page-aligned
+            f.write(data[i : i + 700 * PAGE + 123])
+            f.flush()
+            before = packer.done
+            packer.step(final=False)
+            steps += packer.done > before
+    packer.step(final=True)
+    assert steps >= 2  # really packed while growing
+    assert packer.result().chunks == store.pack_file(path).chunks

@@ -230,21 +230,9 @@ class ChunkStore:
 
     def pack_file(self, path: Path) -> Packed:
         """Store ``path`` as chunks (in ``pool``); return its :class:`Packed` record."""
-        size = path.stat().st_size
-        if size < _SMALL:
-            data = path.read_bytes()
-            refs = [self.pool.submit(self._put, data)] if data else []
-            return self._collect(refs, [len(data)] if data else [], size)
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
-            mm.madvise(mmap.MADV_SEQUENTIAL)
-            view = memoryview(mm)
-            try:
-                cuts = cut_points(view, self.avg_pages, self.avg_pages // 4, self.avg_pages * 4)
-                bounds = list(zip(cuts, cuts[1:] + [size], strict=True))
-                refs = [self.pool.submit(self._put, view[s:e]) for s, e in bounds]
-                return self._collect(refs, [e - s for s, e in bounds], size)
-            finally:
-                view.release()
+        packer = _FilePacker(self, path)
+        packer.step(final=True)
+        return packer.result()
 
     @staticmethod
     def _collect(futures, lengths: list[int], size: int) -> Packed:
@@ -269,6 +257,11 @@ class ChunkStore:
             yield
         finally:
             os.close(fd)
+
+    def follow(self, folder: Path | str, interval: float = 0.1) -> Follower:
+        """Start packing ``folder``'s growing ``pages-*.img`` files while CRIU writes them;
+        :meth:`Follower.finish` packs the rest once the dump is done (see :class:`Follower`)."""
+        return Follower(self, Path(folder), interval)
 
     def pack(self, paths: Iterable[Path]) -> dict[str, Packed]:
         """Store every file of ``paths``, then make the store durable; {name: Packed}.
@@ -414,6 +407,128 @@ class ChunkStore:
                 except OSError:
                     pass
         return count, freed
+
+
+class _FilePacker:
+    """Packs one file front to back in ``store.pool``, possibly while it still grows.
+
+    Cuts depend only on the bytes since the previous cut, so packing a growing file step
+    by step gives exactly the chunks of packing it whole. A step that is not ``final``
+    keeps the last (maybe unfinished) chunk for later.
+    """
+
+    def __init__(self, store: ChunkStore, path: Path):
+        self.store = store
+        self.path = path
+        self.done = 0
+        self.size = 0
+        self.futures: list = []
+        self.lengths: list[int] = []
+        self._maps: list[mmap.mmap] = []
+
+    def step(self, final: bool) -> None:
+        st = self.store
+        size = self.path.stat().st_size
+        end = size if final else size // PAGE * PAGE
+        if final:
+            self.size = size
+        if end <= self.done or (not final and end - self.done < 8 * st.avg_pages * PAGE):
+            return
+        if end - self.done < _SMALL:  # small files (and small tails): one chunk, no mmap
+            with open(self.path, "rb") as f:
+                f.seek(self.done)
+                data = f.read(end - self.done)
+            self.futures.append(st.pool.submit(st._put, data))
+            self.lengths.append(len(data))
+            self.done += len(data)
+            return
+        with open(self.path, "rb") as f:
+            mm = mmap.mmap(f.fileno(), end, prot=mmap.PROT_READ)
+        self._maps.append(mm)
+        view = memoryview(mm)[self.done : end]
+        cuts = cut_points(view, st.avg_pages, st.avg_pages // 4, st.avg_pages * 4)
+        bounds = list(zip(cuts, cuts[1:] + [len(view)], strict=True))
+        if not final:
+            bounds = bounds[:-1]
+        for s, e in bounds:
+            self.futures.append(st.pool.submit(st._put, view[s:e]))
+            self.lengths.append(e - s)
+        if bounds:
+            self.done += bounds[-1][1]
+
+    def wait(self) -> None:
+        """Wait for every chunk handed out (their errors are :meth:`result`'s)."""
+        for fut in self.futures:
+            fut.exception()
+
+    def result(self) -> Packed:
+        try:
+            return self.store._collect(self.futures, self.lengths, self.size)
+        finally:
+            self.wait()
+            self.futures = []
+            for mm in self._maps:
+                with contextlib.suppress(BufferError):
+                    mm.close()
+            self._maps = []
+
+
+class Follower:
+    """Packs a dump's ``pages-*.img`` files while CRIU writes them (a thread polls every
+    ``interval`` s), so that little is left to pack when the dump ends.
+
+    Holds the store's lock shared from start to :meth:`finish` or :meth:`close`.
+    """
+
+    def __init__(self, store: ChunkStore, folder: Path, interval: float = 0.1):
+        self.store = store
+        self.folder = folder
+        self.interval = interval
+        self.packers: dict[str, _FilePacker] = {}
+        self._lock = store._locked(fcntl.LOCK_SH)
+        self._lock.__enter__()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpusnap-follow", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for path in sorted(self.folder.glob("pages-*.img")):
+                packer = self.packers.setdefault(path.name, _FilePacker(self.store, path))
+                try:
+                    packer.step(final=False)
+                except (OSError, ValueError):
+                    pass  # finish() packs it from where this stopped
+
+    def _halt(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def finish(self, paths: Iterable[Path]) -> dict[str, Packed]:
+        """Pack what is left of ``paths`` (the finished dump's image files), make the store
+        durable and release it; {name: Packed} as :meth:`ChunkStore.pack` gives."""
+        try:
+            self._halt()
+            out = {}
+            for path in paths:
+                packer = self.packers.get(path.name) or _FilePacker(self.store, path)
+                packer.step(final=True)
+                out[path.name] = packer.result()
+            syncfs(self.store.root)
+            return out
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop (the dump failed): wait for chunks in flight, release the store."""
+        if self._lock is None:
+            return
+        self._halt()
+        for packer in self.packers.values():
+            packer.wait()
+            packer.futures = []
+        self._lock.__exit__(None, None, None)
+        self._lock = None
 
 
 def _write_all(fd: int, view: memoryview) -> None:

@@ -52,7 +52,7 @@ from ..model import Server, server_key
 from ..procs import tree_pids  # noqa: F401  (re-exported)
 from . import criu
 from .base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
-from .chunks import PAGE, STORE, ChunkStore
+from .chunks import PAGE, STORE, ChunkStore, Follower
 from .keys import Key, KeyFileError, load_keys
 from .manifest import (
     CHUNK_BYTES,
@@ -594,8 +594,11 @@ class LocalBackend(CheckpointBackend):
         m.save(folder)
 
         # 2. Dump the tree, leaving it frozen; 3. verify: complete, checksummed, durable.
+        follower = None
         try:
             t1 = time.monotonic()
+            if self.storage == "chunks":  # pack while CRIU writes (chunks.Follower)
+                follower = await asyncio.to_thread(self._chunk_store_or_fail().follow, folder)
             early = self.writeback_during_dump and self.storage == "files"
             with Writeback(folder) if early else contextlib.nullcontext():
                 await criu.dump(
@@ -608,10 +611,12 @@ class LocalBackend(CheckpointBackend):
                     timeout=self.dump_timeout,
                 )
             m.dump_seconds = round(time.monotonic() - t1, 3)
-            await self._verify_dump(folder, m)
+            await self._verify_dump(folder, m, follower)
             if not all(is_frozen(p) or not is_alive(p) for p in pids[:1]):
                 raise CheckpointError(f"process {pid} is no longer frozen after the dump")
         except Exception as e:
+            if follower is not None:
+                await asyncio.to_thread(follower.close)
             await self._fail(folder, m, server.key, pids, cuda_pids, str(e))
             if isinstance(e, CheckpointError):
                 raise CheckpointError(f"{server.key}: {e}; the server keeps running") from e
@@ -634,7 +639,7 @@ class LocalBackend(CheckpointBackend):
         )  # fmt: skip
         return self.info(folder, m)
 
-    async def _verify_dump(self, folder: Path, m: Manifest) -> None:
+    async def _verify_dump(self, folder: Path, m: Manifest, follower: Follower | None = None) -> None:
         """Make a finished dump "verified" (see the module docstring) or raise CheckpointError.
 
         Fills ``files``, ``sizes``, ``chunk_bytes``, ``image_bytes`` and ``verification``.
@@ -644,7 +649,7 @@ class LocalBackend(CheckpointBackend):
         if problems:
             raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
         if self.storage == "chunks":
-            await self._pack(folder, m)
+            await self._pack(folder, m, follower)
             m.seal_seconds = round(time.monotonic() - t, 3)
             return
         chunk = max(0, self.chunk_bytes)
@@ -663,13 +668,21 @@ class LocalBackend(CheckpointBackend):
             m.verification = "read-back"
         m.seal_seconds = round(time.monotonic() - t, 3)
 
-    async def _pack(self, folder: Path, m: Manifest) -> None:
-        """Store the dump in ``folder`` as chunks (durable, checked) and record them in ``m``."""
+    def _chunk_store_or_fail(self) -> ChunkStore:
         try:
-            store = self.chunk_store()
+            return self.chunk_store()
         except KeyFileError as e:
             raise CheckpointError(str(e)) from e
-        packed = await asyncio.to_thread(store.pack, image_files(folder))
+
+    async def _pack(self, folder: Path, m: Manifest, follower: Follower | None = None) -> None:
+        """Store the dump in ``folder`` as chunks (durable, checked) and record them in ``m``;
+        ``follower`` has packed part of it while CRIU was writing."""
+        if follower is not None:
+            store = follower.store
+            packed = await asyncio.to_thread(follower.finish, image_files(folder))
+        else:
+            store = self._chunk_store_or_fail()
+            packed = await asyncio.to_thread(store.pack, image_files(folder))
         m.storage, m.key_id = "chunks", store.space
         m.chunks = {n: p.chunks for n, p in packed.items()}
         m.files = {n: p.digest for n, p in packed.items()}
