@@ -27,13 +27,15 @@ raw, so random data costs no decompression at restore.
 **Integrity.** A chunk's id is the sha256 of its plaintext (salted with a value derived
 from the key when encrypted, see :mod:`.keys`); unpacking checks every chunk against its
 id, so a damaged chunk is found before CRIU runs. Writes go to a temporary name and are
-renamed into place; :func:`syncfs` makes all of them durable with one call.
+renamed into place; each new chunk is ``fsync``'ed by the thread that wrote it, and
+:meth:`ChunkStore.sync_dirs` then syncs the folders that gained one. (Not ``syncfs``: it
+would also flush the raw dump CRIU just wrote next to it, which is deleted unread once
+packed — writing it to the disk would double a suspension's disk traffic.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import hashlib
 import mmap
@@ -79,18 +81,10 @@ def cut_points(buf, avg_pages: int = 512, min_pages: int = 128, max_pages: int =
     return cuts
 
 
-def syncfs(path: Path | str) -> None:
-    """Flush every write of the file system holding ``path`` (one call for many files)."""
-    fd = os.open(path, os.O_RDONLY)
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        try:
-            fn = ctypes.CDLL(None, use_errno=True).syncfs
-        except (OSError, AttributeError):
-            os.sync()
-            return
-        if fn(fd) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"syncfs({path}): {os.strerror(err)}")
+        os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -130,6 +124,7 @@ class ChunkStore:
         self._local = threading.local()
         self._writing: dict[tuple[str, str], threading.Event] = {}
         self._writing_lock = threading.Lock()
+        self._new_dirs: set[Path] = set()  # folders that gained a chunk since sync_dirs()
 
     # ------------------------------------------------------------ naming
     @property
@@ -208,23 +203,25 @@ class ChunkStore:
         if packed and len(packed) < len(data) * 0.97:
             codec, payload = ZSTD, packed
         else:
-            codec, payload = RAW, bytes(data)
+            codec, payload = RAW, data
         kid = key.id.encode() if key else b""
         header = MAGIC + bytes((codec, len(kid))) + kid
         body = key.seal(payload, header + cid.encode()) if key else payload
-        final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not final.parent.is_dir():
+            final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with self._writing_lock:
+                self._new_dirs.update((final.parent.parent, final.parent.parent.parent))
         tmp = final.parent / f".{cid}.{threading.get_ident()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            view = memoryview(header + body) if key else None
-            if view is None:
-                os.write(fd, header)
-                _write_all(fd, memoryview(payload))
-            else:
-                _write_all(fd, view)
+            _write_all(fd, memoryview(header))
+            _write_all(fd, memoryview(body))
+            os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, final)
+        with self._writing_lock:
+            self._new_dirs.add(final.parent)
         n = len(header) + len(body)
         return cid, n, n
 
@@ -258,6 +255,13 @@ class ChunkStore:
         finally:
             os.close(fd)
 
+    def sync_dirs(self) -> None:
+        """fsync the folders that gained chunks (their new names are then durable)."""
+        with self._writing_lock:
+            dirs, self._new_dirs = self._new_dirs, set()
+        for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+            _fsync_dir(d)
+
     def follow(self, folder: Path | str, interval: float = 0.1) -> Follower:
         """Start packing ``folder``'s growing ``pages-*.img`` files while CRIU writes them;
         :meth:`Follower.finish` packs the rest once the dump is done (see :class:`Follower`)."""
@@ -272,7 +276,7 @@ class ChunkStore:
         """
         with self._locked(fcntl.LOCK_SH):
             out = {p.name: self.pack_file(p) for p in paths}
-            syncfs(self.root)
+            self.sync_dirs()
         return out
 
     # ------------------------------------------------------------ read
@@ -288,7 +292,7 @@ class ChunkStore:
         codec, klen = blob[4], blob[5]
         header = blob[: 6 + klen]
         kid = header[6:].decode(errors="replace")
-        body = blob[6 + klen :]
+        body = memoryview(blob)[6 + klen :]
         key = None
         if kid:
             key = self._key_for(kid)
@@ -514,7 +518,7 @@ class Follower:
                 packer = self.packers.get(path.name) or _FilePacker(self.store, path)
                 packer.step(final=True)
                 out[path.name] = packer.result()
-            syncfs(self.store.root)
+            self.store.sync_dirs()
             return out
         finally:
             self.close()
