@@ -96,8 +96,11 @@ async def test_encrypted_chunks_round_trip_share_and_sweep(tmp_path, process_tre
     assert "put the key back" in capsys.readouterr().out
 
 
-async def test_a_damaged_chunk_stops_the_restore_before_criu(tmp_path, process_tree):
-    backend = make_backend(tmp_path)
+@pytest.mark.parametrize("staging", ["memory", "folder"])
+async def test_a_damaged_chunk_stops_the_restore_before_criu(tmp_path, process_tree, staging):
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    backend = make_backend(tmp_path, restore_staging_dir=str(stage) if staging == "memory" else "")
     tree = process_tree(pidns=True)
     await tree.wait_ready()
     await tree.ask("inc")
@@ -112,6 +115,13 @@ async def test_a_damaged_chunk_stops_the_restore_before_criu(tmp_path, process_t
         await backend.restore(info)
     assert not list(backend.folder(info.id).glob("restore-*.log")), "CRIU ran on a damaged image"
     assert not list(backend.folder(info.id).glob("*.img"))
+    assert not list(stage.iterdir()), "unpacked files left behind"
+    # Mended (the chunk written again from the same data), it restores from either place.
+    blob.write_bytes(bytes(data[:-100]) + bytes([data[-100] ^ 0xFF]) + bytes(data[-99:]))
+    tree.pid, _, _ = await backend.restore(info)
+    assert (await tree.ask("get"))["count"] == 1
+    assert list(backend.folder(info.id).glob("restore-*.log")), "CRIU's restore log is kept"
+    assert not list(stage.iterdir()) and not list(backend.folder(info.id).glob("*.img"))
 
 
 async def test_rotation_without_the_old_key_names_the_fix(tmp_path, process_tree, key_file):
@@ -131,3 +141,17 @@ def test_encryption_needs_chunks_and_a_private_key_file(tmp_path, key_file):
     os.chmod(key_file, 0o640)
     with pytest.raises(KeyFileError, match="chmod 600"):
         make_backend(tmp_path, encryption_key_file=str(key_file))
+
+
+async def test_setup_removes_images_an_interrupted_restore_left_unpacked(tmp_path):
+    stage = tmp_path / "stage"
+    old, fresh = stage / "gpusnap-restore-old", stage / "gpusnap-restore-new"
+    for d in (old, fresh):
+        d.mkdir(parents=True)
+        (d / "pages-1.img").write_bytes(b"memory")
+    os.utime(old, (1, 1))
+    other = stage / "someone-elses"
+    other.mkdir()
+    os.utime(other, (1, 1))
+    await make_backend(tmp_path, restore_staging_dir=str(stage)).setup()
+    assert not old.exists() and fresh.exists() and other.exists()

@@ -39,6 +39,7 @@ import os
 import re
 import shutil
 import signal
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -68,6 +69,7 @@ from .manifest import (
 )
 
 DEFAULT_NAME = "_default"
+STAGING_PREFIX = "gpusnap-restore-"
 _TS = "%Y%m%dT%H%M%S"
 
 
@@ -266,6 +268,16 @@ class LocalBackend(CheckpointBackend):
             )
         return value
 
+    restore_staging_dir = Unicode(
+        "/dev/shm",
+        help="""Where an image kept as chunks (storage = 'chunks') is unpacked for CRIU at
+        restore, in a new root-only folder deleted right after. A memory file system
+        (the default /dev/shm) keeps the unpacked copy off the disk and out of the kernel's
+        dirty-page throttling; when it lacks room for the image, or is empty here, the
+        checkpoint's own folder is used. Needs free memory of about the image size while a
+        restore runs.""",
+    ).tag(config=True)
+
     encryption_key_file = Unicode(
         "",
         help="""File with the AES-256 keys that encrypt checkpoint chunks at rest (needs
@@ -453,7 +465,21 @@ class LocalBackend(CheckpointBackend):
                 await asyncio.to_thread(cuda.gpu_inventory)
             except Exception as e:
                 self.log.info("no NVML on this host (%s): GPU memory left out of estimates", e)
+        self._clear_staging()
         await self.recover()
+
+    def _clear_staging(self, older_than: float = 3600.0) -> None:
+        """Remove unpacked images a crashed restore left in restore_staging_dir (they hold
+        users' memory); only those untouched for ``older_than`` s (a restore may be running)."""
+        staging = Path(self.restore_staging_dir) if self.restore_staging_dir else None
+        if staging is None or not staging.is_dir():
+            return
+        now = time.time()
+        for left in staging.glob(STAGING_PREFIX + "*"):
+            with contextlib.suppress(OSError):
+                if now - left.stat().st_mtime > older_than:
+                    shutil.rmtree(left)
+                    self.log.warning("removed %s, left by an interrupted restore", left)
 
     async def check(self, server: Server) -> None:
         """Refuse (:class:`CheckpointRefused`) when ``server`` cannot be checkpointed now."""
@@ -983,26 +1009,19 @@ class LocalBackend(CheckpointBackend):
         def damaged(problems: list[str]) -> CheckpointError:
             return CheckpointError(f"{key}: image {info.id} is damaged: " + "; ".join(problems[:5]))
 
+        images = folder
         if m.storage == "chunks":
             # Every chunk is checked against its id while it is unpacked: nothing runs from
             # a damaged image. The unpacked files only feed CRIU and go afterwards.
-            free = shutil.disk_usage(folder).free
-            if free < m.image_bytes:
-                raise CheckpointError(
-                    f"{key}: {free / 2**30:.1f} GiB free in {folder}, the image needs "
-                    f"{m.image_bytes / 2**30:.1f} GiB unpacked: free disk space and spawn again"
-                )
+            store = self._chunk_store_or_fail()
+            images = self._staging(folder, m.image_bytes, key)
             try:
-                store = self.chunk_store()
-            except KeyFileError as e:
-                raise CheckpointError(f"{key}: {e}") from e
-            try:
-                problems = await asyncio.to_thread(store.unpack, m.key_id, m.chunks, m.sizes, folder)
+                problems = await asyncio.to_thread(store.unpack, m.key_id, m.chunks, m.sizes, images)
             except BaseException:
-                self._drop_files(folder)
+                self._unstage(folder, images)
                 raise
             if problems:
-                self._drop_files(folder)
+                self._unstage(folder, images)
                 raise damaged(problems)
             hashing = asyncio.ensure_future(asyncio.sleep(0, []))
         else:
@@ -1014,19 +1033,50 @@ class LocalBackend(CheckpointBackend):
             hashing = asyncio.ensure_future(asyncio.to_thread(check, pages))
         try:
             return await self._restore_tree(
-                info, folder, m, key, hashing, damaged, restore_started, timeout
+                info, folder, images, m, key, hashing, damaged, restore_started, timeout
             )
         finally:
             if m.storage == "chunks":
-                self._drop_files(folder)
+                self._unstage(folder, images)
+
+    def _staging(self, folder: Path, nbytes: int, key: str) -> Path:
+        """Where a chunk image is unpacked for CRIU: a new root-only folder in
+        ``restore_staging_dir`` when it has room, else the checkpoint folder itself."""
+        margin = 256 << 20
+        staging = self.restore_staging_dir
+        if staging and os.path.isdir(staging):
+            try:
+                if shutil.disk_usage(staging).free >= nbytes + margin:
+                    return Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=staging))
+            except OSError as e:
+                self.log.warning("%s: cannot use %s for the restore (%s)", key, staging, e)
+        free = shutil.disk_usage(folder).free
+        if free < nbytes:
+            raise CheckpointError(
+                f"{key}: {free / 2**30:.1f} GiB free in {folder}, the image needs "
+                f"{nbytes / 2**30:.1f} GiB unpacked: free disk space (or memory in "
+                f"LocalBackend.restore_staging_dir = {staging!r}) and spawn again"
+            )
+        return folder
+
+    def _unstage(self, folder: Path, images: Path) -> None:
+        """Remove unpacked image files; keep CRIU's restore log in the checkpoint folder."""
+        if images == folder:
+            self._drop_files(folder)
+            return
+        for log in images.glob("restore-*.log"):
+            with contextlib.suppress(OSError):
+                shutil.copyfile(log, folder / log.name)
+        shutil.rmtree(images, ignore_errors=True)
 
     async def _restore_tree(
-        self, info, folder, m, key, hashing, damaged, restore_started, timeout
+        self, info, folder, images, m, key, hashing, damaged, restore_started, timeout
     ) -> tuple[int, str, int]:
-        """criu restore + GPU restore of a checked image (the second half of :meth:`restore`)."""
+        """criu restore (from ``images``) + GPU restore of a checked image (the second half of
+        :meth:`restore`)."""
         try:
             restored = await criu.restore(
-                folder,
+                images,
                 folder / "restore.pid",
                 criu=self.criu_path,
                 tcp=m.tcp_mode,
