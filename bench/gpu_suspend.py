@@ -134,7 +134,10 @@ async def ours(gib: float, root: Path, backend: LocalBackend, gpus: int = 1) -> 
     restore_s = time.monotonic() - t
     after = h.checksum(pid)
     kill(pid)
+    done = await backend.get(info.id)
     return {
+        "restore_phases": (done.extra.get("restore_phases") if done else None),
+        "checkpoint_phases": {k: info.extra.get(k) for k in ("time_to_gpu_free_s", "dump_seconds", "seal_seconds")},
         "gpu_bytes": info.gpu_bytes,
         "image_bytes": info.image_bytes,
         "time_to_gpu_free_s": round(info.extra.get("time_to_gpu_free_s") or 0, 3),
