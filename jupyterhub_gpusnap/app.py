@@ -465,6 +465,10 @@ def main(argv=None):
         from .keys_cli import main as keys_main
 
         sys.exit(keys_main(argv[1:]))
+    if argv and argv[0] == "unpack":
+        from .unpack_cli import main as unpack_main
+
+        sys.exit(unpack_main(argv[1:]))
     app = GpuSnap()
     app.initialize(argv)
     app.start()

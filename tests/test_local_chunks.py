@@ -16,6 +16,7 @@ from jupyterhub_gpusnap.checkpoint.manifest import MANIFEST, Manifest
 from jupyterhub_gpusnap.keys_cli import keys_in_use
 from jupyterhub_gpusnap.keys_cli import main as keys_main
 from jupyterhub_gpusnap.model import Server
+from jupyterhub_gpusnap.unpack_cli import main as unpack_main
 
 pytestmark = pytest.mark.criu
 
@@ -87,6 +88,14 @@ async def test_encrypted_chunks_round_trip_share_and_sweep(tmp_path, process_tre
     tree.pid, _, _ = await backend.restore(info2)
     assert (await tree.ask("get"))["count"] == after["count"]
 
+    # Recovery by hand: the remaining checkpoint written out as CRIU files.
+    out = tmp_path / "by-hand"
+    assert unpack_main([str(backend.folder(info2.id)), str(out), "--key-file", str(key_file)]) == 0
+    assert {p.name for p in out.iterdir()} == set(m2.files)
+    capsys.readouterr()
+    assert unpack_main([str(backend.folder(info2.id)), str(tmp_path / "x")]) == 1  # no key
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "'k1', which is not in the key file" in err
     assert keys_in_use(backend.root) == {"k1": 1}
     assert keys_main(["--checkpoint-dir", str(backend.root), "--key-file", str(key_file)]) == 0
     other = tmp_path / "other-keys"

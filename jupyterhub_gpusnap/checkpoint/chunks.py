@@ -319,6 +319,11 @@ class ChunkStore:
         Files are written in parallel, chunk by chunk, without fsync: they only feed the
         restore that follows and are deleted after it.
         """
+        if space != PLAIN:
+            try:
+                self._key_for(space)
+            except ValueError as e:
+                return [str(e)]
         problems: list[str] = []
         fds = []
         jobs = []
