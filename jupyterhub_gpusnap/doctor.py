@@ -192,6 +192,22 @@ RBAC_NEEDS: list[tuple[str, str, str, str, str, str]] = [
     ("list", "", "nodes", "", "", "doctor lists the GPU nodes"),
 ]
 
+#: What Zero to JupyterHub's own hub Role grants in the release namespace
+#: (``rbac.create: true``): RBAC_NEEDS covered by it are not granted again by
+#: helm-values/agent/rbac-hub.yaml, which grants exactly the rest.
+CHART_HUB_ROLE: dict[tuple[str, str], set[str]] = {
+    ("", "pods"): {"get", "watch", "list", "create", "delete"},
+    ("", "persistentvolumeclaims"): {"get", "watch", "list", "create", "delete"},
+    ("", "secrets"): {"get", "watch", "list", "create", "delete"},
+    ("", "services"): {"get", "watch", "list", "create", "delete"},
+    ("", "events"): {"get", "watch", "list"},
+}
+
+
+def granted_by_chart(verb: str, group: str, resource: str, scope: str) -> bool:
+    """Whether the Z2JH chart's hub Role already grants this need (namespace scope only)."""
+    return scope == "ns" and verb in CHART_HUB_ROLE.get((group, resource), set())
+
 
 class Doctor(LoggingConfigurable):
     """Runs the readiness checks of a cluster; see :meth:`run`."""
@@ -677,8 +693,11 @@ class Doctor(LoggingConfigurable):
                 f"not allowed ({why})"
                 if code in (200, 201)
                 else f"review failed: {code} {data.get('message', '')}",
-                f"add verbs [{verb}] on {resource}{'/' + sub if sub else ''} to the hub's {kind} "
-                "(helm-values/agent/rbac-hub.yaml)",
+                f"the Zero to JupyterHub chart's hub Role grants {verb} {resource} in "
+                f"{namespace}: keep rbac.create: true in the chart values"
+                if granted_by_chart(verb, group, resource, scope)
+                else f"add verbs [{verb}] on {resource}{'/' + sub if sub else ''} to the hub's "
+                f"{kind} (helm-values/agent/rbac-hub.yaml)",
             )
 
         return list(await asyncio.gather(*(review(n) for n in RBAC_NEEDS)))

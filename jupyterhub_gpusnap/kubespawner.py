@@ -17,7 +17,14 @@ stops it through the Hub. This spawner's part is the other half:
 
   then it waits until the server answers, reuses the old API token and reports progress;
 * on any failure of the restore it deletes the placeholder, keeps the checkpoint image,
-  starts a fresh server and says why in the progress messages and the log.
+  starts a fresh server and says why in the progress messages and the log;
+* when ``stop()`` cannot tell whether a checkpoint exists (API server or checkpoint
+  backend unreachable), the stop goes on (the user or the service asked for it, and the
+  service stops a server only after its checkpoint is verified and recorded), but the
+  server is left *restorable*: the API token is kept, the lookup is counted
+  (``gpusnap_spawner_checkpoint_lookup_failures_total``) and repeated on the next start,
+  which restores the checkpoint if one of that run turns up and refuses to start fresh
+  over it while the lookup still fails (for at most ``checkpoint_lookup_retry_seconds``).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from kubernetes_asyncio.client import (
 )
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubespawner import KubeSpawner
+from prometheus_client import Counter
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from traitlets import Enum, Float, Integer, List, Type, Unicode, default
 
@@ -57,8 +65,22 @@ RESTORED_FROM_ANNOTATION = "gpusnap.jupyter.org/restored-from"
 STATE_KEY = "gpusnap"
 
 
+#: Checkpoint lookups that could not tell whether a server has a checkpoint, by phase
+#: ("stop": the server was stopped and left restorable; "start": a start was refused).
+LOOKUP_FAILURES = Counter(
+    "gpusnap_spawner_checkpoint_lookup_failures_total",
+    "Checkpoint lookups of SnapKubeSpawner that failed (API server or checkpoint backend "
+    "unreachable), by phase",
+    ["phase"],
+)
+
+
 class AgentError(Exception):
     """The node agent answered with an error (its ``error`` and ``fix`` in the message)."""
+
+
+class CheckpointLookupError(Exception):
+    """Whether a server has a checkpoint cannot be told now (a source did not answer)."""
 
 
 async def call_agent(
@@ -302,6 +324,17 @@ class SnapKubeSpawner(KubeSpawner):
         """,
     ).tag(config=True)
 
+    checkpoint_lookup_retry_seconds = Float(
+        86400,
+        help="""When ``stop()`` could not look for a checkpoint (API server or checkpoint
+        backend unreachable), the next start looks again and refuses to start a fresh server
+        while the lookup still fails, so a snapshot is never passed over. After this many
+        seconds since the stop it gives up and starts fresh (any snapshot stays in the
+        backend, listed by ``jupyterhub-gpusnap`` for admins). Fix the backend's
+        reachability (``jupyterhub-gpusnap doctor``) rather than lowering this.
+        """,
+    ).tag(config=True)
+
     server_poll_interval = Float(
         0.5,
         help="Seconds between checks that a restored server answers.",
@@ -368,7 +401,7 @@ class SnapKubeSpawner(KubeSpawner):
         snap = state.get(STATE_KEY)
         if snap:
             self._snap = dict(snap)
-            if self._snap.get("checkpoint"):
+            if self._snap.get("checkpoint") or self._snap.get("lookup"):
                 self.will_resume = True
 
     def clear_state(self) -> None:
@@ -380,13 +413,39 @@ class SnapKubeSpawner(KubeSpawner):
 
     async def stop(self, now: bool = False) -> None:
         if self._restoring is None:
-            info = await self._checkpoint_of_running_pod()
+            try:
+                info = await self._checkpoint_of_running_pod()
+            except CheckpointLookupError as e:
+                info = None
+                self._lookup_failed_at_stop(str(e))
             if info is not None:
                 await self._add_gpu_facts(info)
                 self.record_checkpoint(info)
-            elif not self.pending_checkpoint:
+                self._snap.pop("lookup", None)
+            elif not self.pending_checkpoint and not self._snap.get("lookup"):
                 self.will_resume = False
         await super().stop(now=now)
+
+    def _lookup_failed_at_stop(self, reason: str) -> None:
+        """Leave the server restorable: keep its token and look again on the next start."""
+        LOOKUP_FAILURES.labels(phase="stop").inc()
+        started = self.orm_spawner.started if self.orm_spawner is not None else None
+        self._snap["lookup"] = {
+            "error": reason,
+            "started": _epoch(started) if started is not None else 0.0,
+            "stopped": time.time(),
+        }
+        if self.api_token:
+            self._snap["api_token"] = self.api_token
+        self.will_resume = True
+        self.log.error(
+            "%s: cannot tell whether the server has a checkpoint: %s. Stopping it anyway and "
+            "keeping its API token; the next start looks again and restores a checkpoint of "
+            "this run if there is one. Fix: make the API server and the checkpoint backend "
+            "reachable from the hub (jupyterhub-gpusnap doctor).",
+            self.server_key,
+            reason,
+        )
 
     async def _add_gpu_facts(self, info: dict) -> None:
         """Fill ``gpu_model``/``gpu_count`` from the pod and its node where the record lacks them.
@@ -417,27 +476,29 @@ class SnapKubeSpawner(KubeSpawner):
                     e.reason,
                 )
 
-    async def _checkpoint_of_running_pod(self) -> dict | None:
-        """The verified checkpoint the service took of the pod now stopping, if any."""
+    async def _checkpoint_of_running_pod(self, run: dict | None = None) -> dict | None:
+        """The verified checkpoint the service took of the pod now stopping, if any.
+
+        ``run`` (``{"started", "stopped"}`` epochs) judges a run that already stopped.
+        Raises :class:`CheckpointLookupError` when the answer is unknown: the pod could not
+        be read and no backend answered, or the backend failed and the pod had no record.
+        """
         self._stopping_pod = None
+        pod_error = ""
         try:
             pod = await self.api.read_namespaced_pod(self.pod_name, self.namespace)
             self._stopping_pod = pod
         except ApiException as e:
             if e.status != 404:
-                self.log.warning(
-                    "%s: could not read pod %s/%s to look for a checkpoint: %s",
-                    self.server_key,
-                    self.namespace,
-                    self.pod_name,
-                    e.reason,
+                pod_error = (
+                    f"reading pod {self.namespace}/{self.pod_name} failed: {e.status} {e.reason}"
                 )
             pod = None
         except Exception as e:
-            self.log.warning(
-                "%s: could not read pod to look for a checkpoint: %s", self.server_key, e
-            )
+            pod_error = f"reading pod {self.namespace}/{self.pod_name} failed: {e}"
             pod = None
+        if pod_error:
+            self.log.warning("%s: %s", self.server_key, pod_error)
         if pod is not None:
             raw = (pod.metadata.annotations or {}).get(self.checkpoint_annotation)
             if raw:
@@ -450,24 +511,41 @@ class SnapKubeSpawner(KubeSpawner):
                         self.checkpoint_annotation,
                     )
                     info = None
-                if info and self._is_ours(info):
+                if info and self._is_ours(info, run):
                     return info
-        return await self._checkpoint_from_backend()
+        if self.checkpoint_backend_class is None:
+            if pod_error:
+                raise CheckpointLookupError(pod_error)
+            return None
+        try:
+            return await self._checkpoint_from_backend(run)
+        except CheckpointLookupError as e:
+            raise CheckpointLookupError("; ".join(filter(None, [pod_error, str(e)]))) from e
 
-    def _is_ours(self, info: dict) -> bool:
-        """Is ``info`` a verified checkpoint of this server, taken during this run, just now?"""
+    def _is_ours(self, info: dict, run: dict | None = None) -> bool:
+        """Is ``info`` a verified checkpoint of this server, taken during this run, just now?
+
+        ``run`` (``{"started", "stopped"}``) is a run that already stopped; default: the
+        running one, judged now.
+        """
         created = float(info.get("created") or 0)
-        started = self.orm_spawner.started if self.orm_spawner is not None else None
+        if run is not None:
+            start_epoch = float(run.get("started") or 0) or None
+            at = float(run.get("stopped") or time.time())
+        else:
+            started = self.orm_spawner.started if self.orm_spawner is not None else None
+            start_epoch = _epoch(started) if started is not None else None
+            at = time.time()
         why = ""
         if info.get("status") != "verified" or not info.get("id"):
             why = f"status {info.get('status')}"
         elif (info.get("user"), info.get("server_name")) != (self.user.name, self.name):
             why = f"it is of {info.get('user')}/{info.get('server_name')}"
-        elif started is not None and created < _epoch(started):
+        elif start_epoch is not None and created < start_epoch:
             why = "taken before this server started"
-        elif created and time.time() - created > self.checkpoint_max_age:
+        elif created and at - created > self.checkpoint_max_age:
             why = (
-                f"taken {time.time() - created:.0f}s ago, more than checkpoint_max_age "
+                f"taken {at - created:.0f}s before the stop, more than checkpoint_max_age "
                 f"({self.checkpoint_max_age:g}s): the server kept running after it"
             )
         if why:
@@ -479,7 +557,9 @@ class SnapKubeSpawner(KubeSpawner):
             )
         return not why
 
-    async def _checkpoint_from_backend(self) -> dict | None:
+    async def _checkpoint_from_backend(self, run: dict | None = None) -> dict | None:
+        """The backend's newest checkpoint of this server if it is of this run; raises
+        :class:`CheckpointLookupError` when the backend does not answer."""
         if self.checkpoint_backend_class is None:
             return None
         if self._backend is None:
@@ -488,16 +568,60 @@ class SnapKubeSpawner(KubeSpawner):
             info = await self._backend.latest(self.user.name, self.name)
         except Exception as e:
             self.log.warning("%s: checkpoint backend lookup failed: %s", self.server_key, e)
-            return None
+            raise CheckpointLookupError(f"checkpoint backend lookup failed: {e}") from e
         if info is None:
             return None
         data = info.as_dict()
-        return data if self._is_ours(data) else None
+        return data if self._is_ours(data, run) else None
+
+    async def _look_again(self) -> None:
+        """Repeat the lookup that failed at stop; raise rather than start fresh over a snapshot."""
+        run = self._snap["lookup"]
+        try:
+            info = await self._checkpoint_of_running_pod(run)
+        except CheckpointLookupError as e:
+            waited = time.time() - float(run.get("stopped") or 0)
+            if waited < self.checkpoint_lookup_retry_seconds:
+                LOOKUP_FAILURES.labels(phase="start").inc()
+                self.log.error(
+                    "%s: not starting: cannot tell whether the server has a snapshot to restore "
+                    "(%s). Fix: make the API server and the checkpoint backend reachable from "
+                    "the hub (jupyterhub-gpusnap doctor), then start again.",
+                    self.server_key,
+                    e,
+                )
+                raise CheckpointLookupError(
+                    f"Cannot tell whether your server has a snapshot to restore ({e}). It is "
+                    "not started fresh so that the snapshot is not passed over: try again in a "
+                    "few minutes, or ask your admin to fix the checkpoint storage."
+                ) from e
+            self.log.warning(
+                "%s: checkpoint lookup still fails %.0fs after the stop (more than "
+                "checkpoint_lookup_retry_seconds): starting fresh; a snapshot, if any, stays "
+                "in the backend: %s",
+                self.server_key,
+                waited,
+                e,
+            )
+            info = None
+        self._snap.pop("lookup", None)
+        if info is not None:
+            held = self._snap.get("api_token")  # the stopped run's token, not the Hub's new one
+            await self._add_gpu_facts(info)
+            self.record_checkpoint(info)
+            if held:
+                self._snap["api_token"] = held
+            return
+        self._snap.pop("api_token", None)
+        self.will_resume = False
+        self.log.info("%s: no checkpoint of the last run: starting fresh", self.server_key)
 
     # ----- start: restore or fresh ----------------------------------------------------
 
     async def _start(self) -> str:
         self._progress_events = []
+        if self._snap.get("lookup") and not self.pending_checkpoint:
+            await self._look_again()
         checkpoint = self.pending_checkpoint
         if not checkpoint:
             return await super()._start()

@@ -24,6 +24,8 @@ runtime), ``hang`` (no answer), ``forbidden`` (403 for ``nodes/checkpoint``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
 import io
 import json
 import os
@@ -32,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 import uuid
 from functools import cache
@@ -43,6 +46,7 @@ import referencing
 from ports import free_port
 from tornado import web
 from tornado.httpserver import HTTPServer
+from tornado.iostream import StreamClosedError
 
 CRIU = shutil.which("criu") or "/usr/local/sbin/criu"
 KUBELET_DIR = "/var/lib/kubelet/checkpoints"
@@ -57,6 +61,10 @@ SCHEMA_FILES = {
     "ConfigMap": "configmap-v1.json",
     "ConfigMapList": "configmaplist-v1.json",
     "TokenReview": "tokenreview-authentication-v1.json",
+    "SelfSubjectAccessReview": "selfsubjectaccessreview-authorization-v1.json",
+    "NodeList": "nodelist-v1.json",
+    "EventList": "eventlist-v1.json",
+    "PersistentVolumeClaim": "persistentvolumeclaim-v1.json",
 }
 
 
@@ -77,8 +85,6 @@ def validate(obj: dict) -> dict:
 
 def rfc3339(t: float | None = None) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() if t is None else t))
-
-
 
 
 def status(code: int, reason: str, message: str, details: dict | None = None) -> dict:
@@ -141,30 +147,58 @@ while True:
 """
 
 
+#: A container's own namespaces, as ``unshare`` makes them: the process runs in fresh
+#: net, IPC and UTS namespaces (``setsid``: the dumped root is its session leader).
+CONTAINER_NAMESPACES = ["unshare", "--net", "--ipc", "--uts", "--fork", "setsid"]
+
+
+def _child_of(parent: int, timeout: float = 10.0) -> int:
+    """The PID of ``parent``'s only child once it has exec'd (unshare --fork's payload)."""
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    me = psutil.Process(parent)
+    while time.monotonic() < deadline:
+        for child in me.children():
+            try:
+                if child.name() not in ("unshare", "setsid"):
+                    return child.pid
+            except psutil.Error:
+                pass
+        time.sleep(0.01)
+    raise AssertionError(f"unshare (pid {parent}) started no payload")
+
+
 class Workload:
     """A real local process standing for a container: it keeps a random secret in memory
     and appends ``<secret> <counter>`` to a log every 50 ms, so a restored copy is
-    recognisable (same secret, counter going on) and a fresh one is not."""
+    recognisable (same secret, counter going on) and a fresh one is not.
 
-    def __init__(self, folder: Path, ballast: int = 1 << 20):
+    ``namespaces=True`` runs it in its own net/IPC/UTS namespaces, as a container's."""
+
+    def __init__(self, folder: Path, ballast: int = 1 << 20, namespaces: bool = False):
         self.log = Path(folder) / "workload.log"
         self.ballast = ballast
+        self.namespaces = namespaces
         self.proc: subprocess.Popen | None = None
+        self._pid = 0
 
     def start(self) -> Workload:
+        prefix = CONTAINER_NAMESPACES if self.namespaces else []
         self.proc = subprocess.Popen(
-            [sys.executable, "-S", "-c", WORKLOAD, str(self.log), str(self.ballast)],
+            [*prefix, sys.executable, "-S", "-c", WORKLOAD, str(self.log), str(self.ballast)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
             cwd=str(self.log.parent),
         )
+        self._pid = _child_of(self.proc.pid) if self.namespaces else self.proc.pid
         return self
 
     @property
     def pid(self) -> int:
-        return self.proc.pid
+        return self._pid
 
     def lines(self) -> list[tuple[str, int]]:
         if not self.log.exists():
@@ -189,10 +223,97 @@ class Workload:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
+        """Kill it and wait until its PID is free (a restore needs the same PID)."""
+        if self.namespaces and self.alive():
+            try:
+                os.kill(self._pid, 9)
+            except ProcessLookupError:
+                pass
+            try:  # unshare reaps its child and exits; killing it first would leave a zombie
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
         if self.alive():
             self.proc.kill()
         if self.proc is not None:
             self.proc.wait()
+        deadline = time.monotonic() + 10
+        while self._pid and os.path.exists(f"/proc/{self._pid}") and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+def cgroup2_mount() -> Path:
+    """Where this machine's cgroup v2 (unified) hierarchy is mounted."""
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        if right.split()[0] == "cgroup2":
+            return Path(left.split()[4])
+    raise AssertionError("no cgroup2 mount on this machine")
+
+
+class SandboxContainer:
+    """A real local stand-in for a running pod container: ``sleep`` in fresh net/IPC/UTS
+    namespaces, placed in a real cgroup v2 folder named as the kubelet (systemd driver)
+    names the pod's container cgroup, from the pod's UID and container ID.
+
+    With ``PodMapper.proc_root=/proc`` and ``cgroup_root`` at the cgroup2 mount, the
+    agent finds it exactly as it finds a container's process on a node."""
+
+    def __init__(self, pod: dict):
+        uid = pod["metadata"]["uid"]
+        cid = pod["status"]["containerStatuses"][0]["containerID"].partition("://")[2]
+        self.mount = cgroup2_mount()
+        self.pod_dir = (
+            self.mount
+            / "kubepods.slice"
+            / "kubepods-burstable.slice"
+            / f"kubepods-burstable-pod{uid.replace('-', '_')}.slice"
+        )
+        self.cgroup = self.pod_dir / f"cri-containerd-{cid}.scope"
+        self.proc: subprocess.Popen | None = None
+        self.pid = 0
+
+    @property
+    def cgroup_path(self) -> str:
+        return "/" + str(self.cgroup.relative_to(self.mount))
+
+    def start(self) -> SandboxContainer:
+        self.cgroup.mkdir(parents=True)
+        self.proc = subprocess.Popen(
+            [*CONTAINER_NAMESPACES, "sleep", "infinity"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.pid = _child_of(self.proc.pid)
+        (self.cgroup / "cgroup.procs").write_text(str(self.pid))
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Kill every process in the container's cgroup, then remove the cgroup folders."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        deadline = time.monotonic() + timeout
+        while self.cgroup.exists():
+            try:
+                for pid in (self.cgroup / "cgroup.procs").read_text().split():
+                    try:
+                        os.kill(int(pid), 9)
+                    except ProcessLookupError:
+                        pass
+                self.cgroup.rmdir()
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        if self.proc is not None:
+            self.proc.wait()
+        for folder in (self.pod_dir, self.pod_dir.parent, self.pod_dir.parent.parent):
+            try:
+                folder.rmdir()
+            except OSError:
+                break  # another test's pod is still there
 
 
 class NodeTree:
@@ -245,26 +366,133 @@ class NodeTree:
 
 # -- the fake cluster ------------------------------------------------------------------
 
+#: Kubernetes version the hub-side objects (pods KubeSpawner creates, nodes) are checked
+#: against with kubernetes_validate, as KubeSpawner's users run it.
+K8S_VERSION = "1.33"
+H100 = "NVIDIA-H100-80GB-HBM3"
+A100 = "NVIDIA-A100-SXM4-80GB"
+#: The bearer token of the hub's ServiceAccount in kubeconfigs written by FakeKube.kubeconfig.
+HUB_TOKEN = "kube-token"
+HUB_USER = "system:serviceaccount:jhub:hub"
+
+
+def make_node(
+    name: str,
+    gpu_product: str | None = None,
+    gpus: int = 0,
+    runtime: str = "cri-o://1.33.2",
+    kubelet: str = "v1.33.4",
+    ip: str = "127.0.0.1",
+    kubelet_port: int = 10250,
+) -> dict:
+    """A Node as the API server returns it; GPU nodes carry GPU feature discovery labels."""
+    labels = {"kubernetes.io/hostname": name, "kubernetes.io/os": "linux"}
+    capacity = {"cpu": "16", "memory": "128Gi", "pods": "110"}
+    if gpus:
+        labels["nvidia.com/gpu.present"] = "true"
+        labels["nvidia.com/gpu.count"] = str(gpus)
+        capacity["nvidia.com/gpu"] = str(gpus)
+    if gpu_product:
+        labels["nvidia.com/gpu.product"] = gpu_product
+    node = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "uid": str(uuid.uuid4()),
+            "labels": labels,
+            "resourceVersion": "1",
+            "creationTimestamp": rfc3339(),
+        },
+        "spec": {},
+        "status": {
+            "capacity": capacity,
+            "allocatable": dict(capacity),
+            "addresses": [
+                {"type": "InternalIP", "address": ip},
+                {"type": "Hostname", "address": name},
+            ],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": kubelet_port}},
+            "nodeInfo": {
+                "architecture": "amd64",
+                "bootID": str(uuid.uuid4()),
+                "containerRuntimeVersion": runtime,
+                "kernelVersion": "6.18.0",
+                "kubeProxyVersion": "",
+                "kubeletVersion": kubelet,
+                "machineID": uuid.uuid4().hex,
+                "operatingSystem": "linux",
+                "osImage": "Ubuntu 24.04",
+                "systemUUID": str(uuid.uuid4()),
+            },
+            "conditions": [
+                {
+                    "type": "Ready",
+                    "status": "True",
+                    "reason": "KubeletReady",
+                    "message": "kubelet is posting ready status",
+                    "lastHeartbeatTime": rfc3339(),
+                    "lastTransitionTime": rfc3339(),
+                }
+            ],
+        },
+    }
+    kubernetes_validate.validate(node, K8S_VERSION, strict=True)
+    return validate(node)
+
+
+def term_matches(term: dict, labels: dict) -> bool:
+    """One nodeSelectorTerm (its matchExpressions ANDed) against a node's labels."""
+    for expr in term.get("matchExpressions") or []:
+        op, key, values = expr["operator"], expr["key"], expr.get("values") or []
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and labels.get(key) in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+    return True
+
 
 class FakeKube:
-    """The API server and one kubelet per call to :meth:`add_node`, all on localhost."""
+    """The API server, the scheduler's and kubelets' pod lifecycle, and one kubelet
+    checkpoint endpoint, all on localhost.
 
-    def __init__(self, root: Path):
-        self.root = Path(root)
-        self.checkpoints = (
-            self.root / "kubelet-checkpoints"
-        )  # stands for /var/lib/kubelet/checkpoints
+    - ``pods``/``configmaps``: ``(namespace, name)`` → object; ``nodes``: name → Node;
+      ``pvcs``: ``"ns/name"`` → PersistentVolumeClaim.
+    - Pods created through the API (KubeSpawner) are validated, then "scheduled" after
+      50 ms honouring nodeSelector, required node affinity and GPU capacity (a pod no
+      node fits stays Pending, Unschedulable), and watchers get ADDED/MODIFIED/DELETED
+      events. A DELETE is graceful: ``deletionTimestamp`` first, gone 50 ms later.
+    - Auth: a bearer token must be one of ``tokens`` (``add_token``; ``kubeconfig()``
+      registers the hub's); RBAC: requests on a resource in ``forbidden`` get a 403
+      ``Status``; SelfSubjectAccessReviews (and the node proxy's ``/configz``) answer from
+      ``allowed`` (``(verb, group, resource, subresource)``), minus anything forbidden.
+    - ``requests``: ``(method, uri, JSON body or None)`` of every API server and kubelet call.
+    """
+
+    def __init__(self, root: Path | None = None, version: str = "v1.33.4", kubelet_ssl=None):
+        self.root = Path(root) if root is not None else Path(tempfile.mkdtemp(prefix="kube-"))
+        self.version = version
+        self.kubelet_ssl = kubelet_ssl  # an ssl.SSLContext: the kubelet serves https
+        self.checkpoints = self.root / "kubelet-checkpoints"  # /var/lib/kubelet/checkpoints
         self.checkpoints.mkdir(parents=True, exist_ok=True)
         self.pods: dict[tuple[str, str], dict] = {}
         self.nodes: dict[str, dict] = {}
         self.configmaps: dict[tuple[str, str], dict] = {}
+        self.pvcs: dict[str, dict] = {}
+        self.configz: dict[str, dict] = {}  # node -> kubeletconfig served at /configz
         self.workloads: dict[tuple[str, str], Workload] = {}
         self.tokens: dict[str, str] = {}  # bearer token -> username
         self.forbidden: set[str] = set()  # resources (e.g. "nodes/checkpoint") RBAC denies
+        self.allowed: set[tuple[str, str, str, str]] = set()  # what SSARs report allowed
         self.kubelet_mode = "ok"
-        self.requests: list[tuple[str, str]] = []
+        self.requests: list[tuple[str, str, object]] = []
+        self.created: list[dict] = []  # pods created through the API, as created
         self.deleted: list[str] = []
         self.checkpointed: list[str] = []
+        self.watchers: list[tuple[str | None, str, asyncio.Queue]] = []
+        self._tasks: set[asyncio.Task] = set()
         self._hang = asyncio.Event()
         self._rv = 1000
         self.servers: list[HTTPServer] = []
@@ -275,32 +503,74 @@ class FakeKube:
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.api_port}"
 
-    def add_token(self, username: str) -> str:
-        token = f"sa-{uuid.uuid4().hex}"
+    url = api_url
+
+    def add_token(self, username: str, token: str = "") -> str:
+        token = token or f"sa-{uuid.uuid4().hex}"
         self.tokens[token] = username
         return token
 
     def forbid(self, resource: str) -> None:
+        """Deny every request on ``resource`` (``"pods"``, ``"nodes/checkpoint"`` …)."""
         self.forbidden.add(resource)
+
+    def allow(self, *rules: tuple[str, str, str, str]) -> None:
+        """Let SelfSubjectAccessReviews report ``(verb, group, resource, subresource)`` allowed."""
+        self.allowed.update(rules)
+
+    def may(self, verb: str, group: str, resource: str, sub: str = "") -> bool:
+        """What a SelfSubjectAccessReview answers."""
+        name = f"{resource}/{sub}" if sub else resource
+        return (verb, group, resource, sub) in self.allowed and name not in self.forbidden
 
     def next_rv(self) -> str:
         self._rv += 1
         return str(self._rv)
 
+    @property
+    def rv(self) -> int:
+        return self._rv
+
+    def kubeconfig(self, path: Path) -> str:
+        """Write a kubeconfig for the hub's ServiceAccount pointing at this API server."""
+        self.add_token(HUB_USER, HUB_TOKEN)
+        cfg = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "fake", "cluster": {"server": self.api_url}}],
+            "users": [{"name": "hub", "user": {"token": HUB_TOKEN}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "hub"}}],
+            "current-context": "fake",
+        }
+        Path(path).write_text(json.dumps(cfg))
+        return str(path)
+
     async def start(self) -> FakeKube:
         api = web.Application(
             [
+                (r"/version", VersionHandler),
                 (
                     r"/api/v1/nodes/([^/]+)/proxy/checkpoint/([^/]+)/([^/]+)/([^/]+)",
                     ProxyCheckpointHandler,
                 ),
+                (r"/api/v1/nodes/([^/]+)/proxy/configz", ConfigzHandler),
+                (r"/api/v1/nodes", NodeListHandler),
                 (r"/api/v1/nodes/([^/]+)", NodeHandler),
                 (r"/api/v1/pods", PodListHandler),
                 (r"/api/v1/namespaces/([^/]+)/pods", PodListHandler),
                 (r"/api/v1/namespaces/([^/]+)/pods/([^/]+)", PodHandler),
+                (r"/api/v1/namespaces/([^/]+)/events", EventListHandler),
                 (r"/api/v1/namespaces/([^/]+)/configmaps", ConfigMapListHandler),
                 (r"/api/v1/namespaces/([^/]+)/configmaps/([^/]+)", ConfigMapHandler),
+                (
+                    r"/api/v1/namespaces/([^/]+)/persistentvolumeclaims/([^/]+)",
+                    PVCHandler,
+                ),
                 (r"/apis/authentication.k8s.io/v1/tokenreviews", TokenReviewHandler),
+                (
+                    r"/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
+                    AccessReviewHandler,
+                ),
             ],
             kube=self,
             default_handler_class=NotFoundHandler,
@@ -312,70 +582,50 @@ class FakeKube:
             ],
             kube=self,
         )
-        for app, port in ((api, self.api_port), (kubelet, self.kubelet_port)):
-            server = HTTPServer(app)
+        for app, port, tls in (
+            (api, self.api_port, None),
+            (kubelet, self.kubelet_port, self.kubelet_ssl),
+        ):
+            server = HTTPServer(app, ssl_options=tls)
             server.listen(port, "127.0.0.1")
             self.servers.append(server)
         return self
 
     async def stop(self) -> None:
         self._hang.set()
+        for _, _, q in list(self.watchers):
+            q.put_nowait(None)
+        for t in list(self._tasks):
+            t.cancel()
         for server in self.servers:
             server.stop()
             await server.close_all_connections()
         for w in self.workloads.values():
             w.stop()
 
-    def add_node(self, name: str) -> dict:
-        node = {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {
-                "name": name,
-                "uid": str(uuid.uuid4()),
-                "resourceVersion": self.next_rv(),
-                "creationTimestamp": rfc3339(),
-                "labels": {
-                    "kubernetes.io/hostname": name,
-                    "kubernetes.io/os": "linux",
-                    "nvidia.com/gpu.present": "true",
-                },
-            },
-            "spec": {},
-            "status": {
-                "addresses": [
-                    {"type": "InternalIP", "address": "127.0.0.1"},
-                    {"type": "Hostname", "address": name},
-                ],
-                "daemonEndpoints": {"kubeletEndpoint": {"Port": self.kubelet_port}},
-                "capacity": {"cpu": "2", "memory": "8Gi", "nvidia.com/gpu": "1", "pods": "110"},
-                "allocatable": {"cpu": "2", "memory": "8Gi", "nvidia.com/gpu": "1", "pods": "110"},
-                "nodeInfo": {
-                    "architecture": "amd64",
-                    "bootID": str(uuid.uuid4()),
-                    "containerRuntimeVersion": "containerd://2.1.4",
-                    "kernelVersion": "6.18.0",
-                    "kubeProxyVersion": "",
-                    "kubeletVersion": "v1.34.1",
-                    "machineID": uuid.uuid4().hex,
-                    "operatingSystem": "linux",
-                    "osImage": "Debian GNU/Linux 12 (bookworm)",
-                    "systemUUID": str(uuid.uuid4()),
-                },
-                "conditions": [
-                    {
-                        "type": "Ready",
-                        "status": "True",
-                        "reason": "KubeletReady",
-                        "message": "kubelet is posting ready status",
-                        "lastHeartbeatTime": rfc3339(),
-                        "lastTransitionTime": rfc3339(),
-                    }
-                ],
-            },
-        }
-        self.nodes[name] = validate(node)
+    # -- objects ---------------------------------------------------------------------------
+
+    def add_node(self, node: dict | str) -> dict:
+        """Add a Node (from :func:`make_node`), or by name a 1-GPU node whose kubelet is ours."""
+        if isinstance(node, str):
+            node = make_node(
+                node,
+                gpus=1,
+                runtime="containerd://2.1.4",
+                kubelet="v1.34.1",
+                kubelet_port=self.kubelet_port,
+            )
+        self.nodes[node["metadata"]["name"]] = validate(node)
         return node
+
+    def add_configmap(self, cm: dict) -> dict:
+        """Store a ConfigMap as if created through the API (e.g. a checkpoint record)."""
+        meta = cm["metadata"]
+        meta.setdefault("uid", str(uuid.uuid4()))
+        meta.setdefault("resourceVersion", self.next_rv())
+        meta.setdefault("creationTimestamp", rfc3339())
+        self.configmaps[(meta["namespace"], meta["name"])] = validate(cm)
+        return cm
 
     def add_pod(
         self,
@@ -388,10 +638,26 @@ class FakeKube:
         workload: Workload | None = None,
         pod_ip: str = "127.0.0.1",
         gpus: int = 1,
+        host_pid: bool = False,
     ) -> dict:
         """Add a running pod; ``workload`` is the local process its container stands for."""
         cid = uuid.uuid4().hex + uuid.uuid4().hex
         resources = {"limits": {"nvidia.com/gpu": str(gpus)}} if gpus else {}
+        spec = {
+            "nodeName": node,
+            "serviceAccountName": "default",
+            "restartPolicy": "OnFailure",
+            "containers": [
+                {
+                    "name": container,
+                    "image": "quay.io/jupyter/pytorch-notebook:cuda12-2026-11-01",
+                    "ports": [{"containerPort": 8888, "name": "notebook-port", "protocol": "TCP"}],
+                    "resources": resources,
+                }
+            ],
+        }
+        if host_pid:
+            spec["hostPID"] = True
         pod = {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -404,24 +670,10 @@ class FakeKube:
                 "labels": dict(labels or {}),
                 "annotations": dict(annotations or {}),
             },
-            "spec": {
-                "nodeName": node,
-                "serviceAccountName": "default",
-                "restartPolicy": "OnFailure",
-                "containers": [
-                    {
-                        "name": container,
-                        "image": "quay.io/jupyter/pytorch-notebook:cuda12-2026-11-01",
-                        "ports": [
-                            {"containerPort": 8888, "name": "notebook-port", "protocol": "TCP"}
-                        ],
-                        "resources": resources,
-                    }
-                ],
-            },
+            "spec": spec,
             "status": {
                 "phase": "Running",
-                "hostIP": "127.0.0.1",
+                "hostIP": pod_ip,
                 "podIP": pod_ip,
                 "podIPs": [{"ip": pod_ip}],
                 "startTime": rfc3339(),
@@ -446,6 +698,152 @@ class FakeKube:
         self.pods[(namespace, name)] = validate(pod)
         if workload is not None:
             self.workloads[(namespace, name)] = workload
+        self.notify("ADDED", pod)
+        return pod
+
+    def add_agent_pod(self, node: str, ip: str, namespace: str = "gpusnap-system") -> dict:
+        """A running node agent DaemonSet pod on ``node`` whose pod IP is ``ip``."""
+        return self.add_pod(
+            namespace,
+            f"gpusnap-agent-{node}",
+            node,
+            container="agent",
+            labels={"app.kubernetes.io/name": "jupyterhub-gpusnap-agent"},
+            pod_ip=ip,
+            gpus=0,
+            host_pid=True,
+        )
+
+    # -- the pod lifecycle (scheduler, kubelets) ---------------------------------------------
+
+    def notify(self, kind: str, obj: dict) -> None:
+        ns = obj["metadata"].get("namespace")
+        for wns, selector, q in self.watchers:
+            if (wns is None or wns == ns) and match_labels(
+                obj["metadata"].get("labels") or {}, selector
+            ):
+                q.put_nowait({"type": kind, "object": copy.deepcopy(obj)})
+
+    def spawn(self, coro) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def create_pod(self, ns: str, body: dict) -> dict:
+        kubernetes_validate.validate(body, K8S_VERSION, strict=True)
+        pod = copy.deepcopy(body)
+        meta = pod["metadata"]
+        meta.update(
+            namespace=ns,
+            uid=str(uuid.uuid4()),
+            resourceVersion=self.next_rv(),
+            creationTimestamp=rfc3339(),
+        )
+        pod["status"] = {"phase": "Pending", "qosClass": "Burstable"}
+        self.pods[(ns, meta["name"])] = validate(pod)
+        self.created.append(copy.deepcopy(pod))
+        self.notify("ADDED", pod)
+        self.spawn(self.schedule(ns, meta["name"]))
+        return pod
+
+    async def schedule(self, ns: str, name: str) -> None:
+        await asyncio.sleep(0.05)
+        pod = self.pods.get((ns, name))
+        if pod is None:
+            return
+        node = self.pick_node(pod)
+        if node is None:
+            pod["status"]["conditions"] = [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": f"0/{len(self.nodes)} nodes are available: didn't match Pod's "
+                    "node affinity/selector or Insufficient nvidia.com/gpu.",
+                }
+            ]
+            pod["metadata"]["resourceVersion"] = self.next_rv()
+            self.notify("MODIFIED", validate(pod))
+            return
+        ip = next(a["address"] for a in node["status"]["addresses"] if a["type"] == "InternalIP")
+        pod["spec"]["nodeName"] = node["metadata"]["name"]
+        started = rfc3339()
+        pod["status"].update(
+            phase="Running",
+            hostIP=ip,
+            podIP="127.0.0.1",
+            startTime=started,
+            conditions=[
+                {"type": "Ready", "status": "True"},
+                {"type": "PodScheduled", "status": "True"},
+            ],
+            containerStatuses=[
+                {
+                    "name": c["name"],
+                    "image": c["image"],
+                    "imageID": c["image"],
+                    "ready": True,
+                    "restartCount": 0,
+                    "started": True,
+                    "state": {"running": {"startedAt": started}},
+                    "containerID": f"cri-o://{uuid.uuid4().hex}",
+                }
+                for c in pod["spec"]["containers"]
+            ],
+        )
+        pod["metadata"]["resourceVersion"] = self.next_rv()
+        self.notify("MODIFIED", validate(pod))
+
+    def gpus_used(self, node_name: str) -> int:
+        used = 0
+        for p in self.pods.values():
+            if p["spec"].get("nodeName") == node_name:
+                for c in p["spec"]["containers"]:
+                    used += int(
+                        ((c.get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu", 0)
+                    )
+        return used
+
+    def pick_node(self, pod: dict) -> dict | None:
+        spec = pod["spec"]
+        want_gpus = sum(
+            int(((c.get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu", 0))
+            for c in spec["containers"]
+        )
+        for node in self.nodes.values():
+            labels = node["metadata"]["labels"]
+            if any(labels.get(k) != v for k, v in (spec.get("nodeSelector") or {}).items()):
+                continue
+            terms = (
+                ((spec.get("affinity") or {}).get("nodeAffinity") or {})
+                .get("requiredDuringSchedulingIgnoredDuringExecution", {})
+                .get("nodeSelectorTerms")
+            )
+            if terms and not any(term_matches(t, labels) for t in terms):
+                continue
+            have = int(node["status"]["allocatable"].get("nvidia.com/gpu", 0))
+            if want_gpus and have - self.gpus_used(node["metadata"]["name"]) < want_gpus:
+                continue
+            return node
+        return None
+
+    def delete_pod(self, ns: str, name: str) -> dict | None:
+        """Graceful deletion: ``deletionTimestamp`` now, the pod gone 50 ms later."""
+        pod = self.pods.get((ns, name))
+        if pod is None:
+            return None
+        pod["metadata"]["deletionTimestamp"] = rfc3339()
+        pod["metadata"]["resourceVersion"] = self.next_rv()
+        self.deleted.append(f"{ns}/{name}")
+        self.notify("MODIFIED", pod)
+
+        async def gone():
+            await asyncio.sleep(0.05)
+            if self.pods.get((ns, name)) is pod:
+                del self.pods[(ns, name)]
+                self.notify("DELETED", pod)
+
+        self.spawn(gone())
         return pod
 
     # -- the kubelet's checkpoint ---------------------------------------------------------
@@ -534,7 +932,11 @@ class FakeHandler(web.RequestHandler):
         return self.settings["kube"]
 
     def prepare(self) -> None:
-        self.kube.requests.append((self.request.method, self.request.uri))
+        try:
+            self.body = json.loads(self.request.body) if self.request.body else None
+        except ValueError:
+            self.body = None
+        self.kube.requests.append((self.request.method, self.request.uri, self.body))
 
     def user(self) -> str | None:
         scheme, _, token = self.request.headers.get("Authorization", "").partition(" ")
@@ -576,16 +978,110 @@ class NotFoundHandler(FakeHandler):
         self.fail(404, "NotFound", "the server could not find the requested resource")
 
 
-class NodeHandler(FakeHandler):
-    def get(self, name: str) -> None:
-        if not self.authorize("get", "nodes", name):
+class VersionHandler(FakeHandler):
+    def get(self) -> None:
+        v = self.kube.version.lstrip("v").split(".")
+        self.send_json(
+            {
+                "major": v[0],
+                "minor": v[1],
+                "gitVersion": self.kube.version,
+                "gitCommit": "0" * 40,
+                "gitTreeState": "clean",
+                "buildDate": "2026-01-01T00:00:00Z",
+                "goVersion": "go1.24",
+                "compiler": "gc",
+                "platform": "linux/amd64",
+            }
+        )
+
+
+class ListWatchHandler(FakeHandler):
+    """``GET`` of a collection: a ``<Kind>List`` with label and field selectors, or with
+    ``?watch=true`` a stream of WatchEvents (one JSON object a line) until ``timeoutSeconds``."""
+
+    kind = ""
+    resource = ""
+
+    def items(self, namespace: str | None) -> list[dict]:
+        return []
+
+    async def get(self, namespace: str | None = None) -> None:
+        if not self.authorize(
+            "watch" if self.get_argument("watch", "") else "list",
+            self.resource,
+            "",
+            namespace or "",
+        ):
             return
-        node = self.kube.nodes.get(name)
-        if node is None:
-            return self.fail(
-                404, "NotFound", f'nodes "{name}" not found', {"name": name, "kind": "nodes"}
-            )
-        self.send_json(node)
+        labels = self.get_argument("labelSelector", "")
+        if self.get_argument("watch", "") in ("true", "1", "True"):
+            return await self.watch(namespace, labels)
+        fields = self.get_argument("fieldSelector", "")
+        self.send_json(
+            {
+                "kind": f"{self.kind}List",
+                "apiVersion": "v1",
+                "metadata": {"resourceVersion": self.kube.next_rv()},
+                "items": [
+                    o
+                    for o in self.items(namespace)
+                    if match_labels(o["metadata"].get("labels") or {}, labels)
+                    and match_fields(o, fields)
+                ],
+            }
+        )
+
+    async def watch(self, namespace: str | None, selector: str) -> None:
+        q: asyncio.Queue = asyncio.Queue()
+        entry = (namespace, selector, q)
+        self.kube.watchers.append(entry)
+        deadline = time.monotonic() + float(self.get_argument("timeoutSeconds", "30"))
+        self.set_header("Content-Type", "application/json")
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    event = await asyncio.wait_for(q.get(), left)
+                except asyncio.TimeoutError:
+                    break
+                if event is None:
+                    break
+                self.write(json.dumps(event) + "\n")
+                await self.flush()
+        except StreamClosedError:
+            pass
+        finally:
+            self.kube.watchers.remove(entry)
+        if not self._finished:
+            self.finish()
+
+
+class PodListHandler(ListWatchHandler):
+    kind = "Pod"
+    resource = "pods"
+
+    def items(self, namespace: str | None) -> list[dict]:
+        return [p for (ns, _), p in sorted(self.kube.pods.items()) if namespace in (None, ns)]
+
+    def post(self, namespace: str) -> None:
+        name = (self.body or {}).get("metadata", {}).get("name", "")
+        if not self.authorize("create", "pods", name, namespace):
+            return
+        if (namespace, name) in self.kube.pods:
+            return self.fail(409, "AlreadyExists", f'pods "{name}" already exists')
+        try:
+            pod = self.kube.create_pod(namespace, self.body)
+        except kubernetes_validate.ValidationError as e:
+            return self.fail(422, "Invalid", f"Pod is invalid: {e}")
+        self.send_json(pod, 201)
+
+
+class EventListHandler(ListWatchHandler):
+    kind = "Event"
+    resource = "events"
 
 
 class PodHandler(FakeHandler):
@@ -599,62 +1095,94 @@ class PodHandler(FakeHandler):
             )
         self.send_json(pod)
 
+    def patch(self, namespace: str, name: str) -> None:
+        if not self.authorize("patch", "pods", name, namespace):
+            return
+        pod = self.kube.pods.get((namespace, name))
+        if pod is None:
+            return self.fail(404, "NotFound", f'pods "{name}" not found')
+        ctype = self.request.headers.get("Content-Type", "")
+        if ctype != "application/merge-patch+json":
+            return self.fail(415, "UnsupportedMediaType", ctype)
+        annotations = ((self.body or {}).get("metadata") or {}).get("annotations") or {}
+        pod["metadata"].setdefault("annotations", {}).update(annotations)
+        pod["metadata"]["resourceVersion"] = self.kube.next_rv()
+        kubernetes_validate.validate(
+            {k: v for k, v in pod.items() if k != "status"}, K8S_VERSION, strict=True
+        )
+        self.kube.notify("MODIFIED", pod)
+        self.send_json(pod)
+
     def delete(self, namespace: str, name: str) -> None:
         if not self.authorize("delete", "pods", name, namespace):
             return
-        pod = self.kube.pods.pop((namespace, name), None)
+        pod = self.kube.delete_pod(namespace, name)
         if pod is None:
             return self.fail(
                 404, "NotFound", f'pods "{name}" not found', {"name": name, "kind": "pods"}
             )
-        self.kube.deleted.append(f"{namespace}/{name}")
         self.send_json(pod)
 
 
-class PodListHandler(FakeHandler):
-    def get(self, namespace: str | None = None) -> None:
-        if not self.authorize("list", "pods", "", namespace or ""):
+class NodeHandler(FakeHandler):
+    def get(self, name: str) -> None:
+        if not self.authorize("get", "nodes", name):
             return
-        labels = self.get_argument("labelSelector", "")
-        fields = self.get_argument("fieldSelector", "")
-        items = [
-            p
-            for (ns, _), p in sorted(self.kube.pods.items())
-            if (namespace is None or ns == namespace)
-            and match_labels(p["metadata"].get("labels") or {}, labels)
-            and match_fields(p, fields)
-        ]
-        self.send_json(
-            {
-                "kind": "PodList",
-                "apiVersion": "v1",
-                "metadata": {"resourceVersion": self.kube.next_rv()},
-                "items": items,
-            }
-        )
+        node = self.kube.nodes.get(name)
+        if node is None:
+            return self.fail(
+                404, "NotFound", f'nodes "{name}" not found', {"name": name, "kind": "nodes"}
+            )
+        self.send_json(node)
 
 
-class ConfigMapListHandler(FakeHandler):
-    def get(self, namespace: str) -> None:
-        if not self.authorize("list", "configmaps", "", namespace):
+class NodeListHandler(ListWatchHandler):
+    kind = "Node"
+    resource = "nodes"
+
+    def items(self, namespace: str | None) -> list[dict]:
+        return list(self.kube.nodes.values())
+
+
+class ConfigzHandler(FakeHandler):
+    """The kubelet's ``/configz`` through the API server's node proxy (``get nodes/proxy``)."""
+
+    def get(self, node: str) -> None:
+        user = self.user()
+        if user is None:
+            return self.fail(401, "Unauthorized", "Unauthorized")
+        if not self.kube.may("get", "", "nodes", "proxy"):
+            return self.fail(
+                403,
+                "Forbidden",
+                f'nodes "{node}" is forbidden: User "{user}" cannot get resource "nodes/proxy" '
+                'in API group "" at the cluster scope',
+                {"name": node, "kind": "nodes"},
+            )
+        if node not in self.kube.nodes:
+            return self.fail(404, "NotFound", f'nodes "{node}" not found')
+        self.send_json({"kubeletconfig": self.kube.configz.get(node, {})})
+
+
+class PVCHandler(FakeHandler):
+    def get(self, namespace: str, name: str) -> None:
+        if not self.authorize("get", "persistentvolumeclaims", name, namespace):
             return
-        labels = self.get_argument("labelSelector", "")
-        items = [
-            c
-            for (ns, _), c in sorted(self.kube.configmaps.items())
-            if ns == namespace and match_labels(c["metadata"].get("labels") or {}, labels)
-        ]
-        self.send_json(
-            {
-                "kind": "ConfigMapList",
-                "apiVersion": "v1",
-                "metadata": {"resourceVersion": self.kube.next_rv()},
-                "items": items,
-            }
-        )
+        pvc = self.kube.pvcs.get(f"{namespace}/{name}")
+        if pvc is None:
+            return self.fail(404, "NotFound", f'persistentvolumeclaims "{name}" not found')
+        self.send_json(pvc)
+
+
+class ConfigMapListHandler(ListWatchHandler):
+    kind = "ConfigMap"
+    resource = "configmaps"
+
+    def items(self, namespace: str | None) -> list[dict]:
+        return [c for (ns, _), c in sorted(self.kube.configmaps.items()) if namespace in (None, ns)]
 
     def post(self, namespace: str) -> None:
-        body = json.loads(self.request.body)
+        body = self.body or {}
         name = body.get("metadata", {}).get("name", "")
         if not self.authorize("create", "configmaps", name, namespace):
             return
@@ -734,6 +1262,28 @@ class TokenReviewHandler(FakeHandler):
             else {"authenticated": False, "error": "[invalid bearer token, token lookup failed]"}
         )
         review["metadata"] = {"creationTimestamp": None}
+        self.send_json(review, 201)
+
+
+class AccessReviewHandler(FakeHandler):
+    """SelfSubjectAccessReview: what the caller may do, from ``kube.allowed``/``forbidden``."""
+
+    def post(self) -> None:
+        if self.user() is None:
+            return self.fail(401, "Unauthorized", "Unauthorized")
+        review = validate(copy.deepcopy(self.body))
+        kubernetes_validate.validate(review, K8S_VERSION, strict=True)
+        attrs = review["spec"]["resourceAttributes"]
+        allowed = self.kube.may(
+            attrs.get("verb", ""),
+            attrs.get("group", ""),
+            attrs.get("resource", ""),
+            attrs.get("subresource", ""),
+        )
+        review["metadata"] = {"creationTimestamp": None}
+        review["status"] = {"allowed": allowed}
+        if not allowed:
+            review["status"]["reason"] = ""
         self.send_json(review, 201)
 
 
@@ -857,6 +1407,10 @@ class Cluster:
             setattr(c[section], name, value)
         self.agent = AgentApp(config=c)
         await self.agent.start_server()
+        # RBAC as the agent's ClusterRole grants it: what the agent uses (SSARs say allowed)
+        self.kube.allow(
+            *((n.verb, n.group, n.resource, n.subresource) for n in self.agent.rbac_needs())
+        )
         self.kube.add_pod(
             "gpusnap",
             "gpusnap-agent-x7k2p",
@@ -887,18 +1441,151 @@ class Cluster:
             setattr(c[section], name, value)
         return c
 
-    def add_user_pod(self, user: str, workload: Workload | None = None, name: str = "") -> dict:
+    def add_user_pod(
+        self,
+        user: str,
+        workload: Workload | None = None,
+        name: str = "",
+        placeholder_for: str = "",
+    ) -> dict:
+        """A user's server pod; with ``placeholder_for`` the placeholder SnapKubeSpawner
+        creates to restore that checkpoint image into."""
         pod = f"jupyter-{user}" + (f"--{name}" if name else "")
+        annotations = {"hub.jupyter.org/username": user, "hub.jupyter.org/servername": name}
+        if placeholder_for:
+            annotations["gpusnap.jupyter.org/placeholder-for"] = placeholder_for
         return self.kube.add_pod(
             "jhub",
             pod,
             NODE,
             workload=workload,
             labels={"component": "singleuser-server", "hub.jupyter.org/username": user},
-            annotations={"hub.jupyter.org/username": user, "hub.jupyter.org/servername": name},
+            annotations=annotations,
         )
 
     async def stop(self) -> None:
         if self.agent is not None:
             await self.agent.stop_server()
         await self.kube.stop()
+
+
+# ---------------------------------------------------------------- the fake node agent
+
+
+class FakeAgent:
+    """A node agent at wire level: bearer auth, the contract's paths and JSON."""
+
+    def __init__(
+        self, kube: FakeKube, token: str = "agent-secret", host: str = "127.0.0.1", port: int = 0
+    ):
+        self.kube = kube
+        self.token = token
+        self.host = host
+        self.port = port or free_port()
+        self.url = f"http://{host}:{self.port}"
+        self.requests: list[tuple[str, str, dict | None]] = []
+        self.restore_error: dict | None = None
+        self.doctor_checks: list[dict] = []
+        self.health = {"ok": True, "node": "", "criu": "4.2.1", "driver": "580.159.04"}
+        self.restored_servers: list[HTTPServer] = []
+        self.server: HTTPServer | None = None
+
+    async def start(self) -> FakeAgent:
+        agent = self
+
+        class Base(web.RequestHandler):
+            def prepare(self):
+                body = json.loads(self.request.body) if self.request.body else None
+                agent.requests.append((self.request.method, self.request.uri, body))
+                self.body = body
+                if self.request.headers.get("Authorization") != f"Bearer {agent.token}":
+                    self.set_status(401)
+                    self.finish({"error": "bad token", "fix": "use the agent's api_token"})
+
+        class Health(Base):
+            def get(self):
+                self.finish(agent.health)
+
+        class Doctor(Base):
+            def get(self):
+                self.finish({"checks": agent.doctor_checks})
+
+        class Restore(Base):
+            async def post(self):
+                from jupyterhub_gpusnap.kubespawner import PLACEHOLDER_ANNOTATION
+
+                b = self.body
+                assert set(b) == {"namespace", "pod", "container", "image"}, b
+                if agent.restore_error:
+                    self.set_status(500)
+                    return self.finish(agent.restore_error)
+                pod = agent.kube.pods.get((b["namespace"], b["pod"]))
+                if (
+                    pod is None
+                    or pod["metadata"]["annotations"].get(PLACEHOLDER_ANNOTATION) != b["image"]
+                ):
+                    self.set_status(409)
+                    return self.finish(
+                        {
+                            "error": "no placeholder pod for this image",
+                            "fix": "create the placeholder first",
+                        }
+                    )
+                port = next(
+                    p["containerPort"]
+                    for c in pod["spec"]["containers"]
+                    for p in c.get("ports", [])
+                    if p.get("name") == "notebook-port"
+                )
+                agent.restored_servers.append(await serve_notebook_api(port))
+                self.finish({"restored": True, "pid": 4242})
+
+        app = web.Application(
+            [(r"/healthz", Health), (r"/v1/doctor", Doctor), (r"/v1/restore", Restore)]
+        )
+        self.server = HTTPServer(app)
+        self.server.listen(self.port, self.host)
+        return self
+
+    async def stop(self) -> None:
+        for s in [self.server, *self.restored_servers]:
+            if s:
+                s.stop()
+                await s.close_all_connections()
+
+
+async def serve_notebook_api(port: int) -> HTTPServer:
+    """A real HTTP server answering ``/user/alice/api`` like a Jupyter server."""
+
+    class Api(web.RequestHandler):
+        def get(self):
+            self.finish({"version": "2.21.0"})
+
+    server = HTTPServer(web.Application([(r"/user/alice/api", Api)]))
+    server.listen(port, "127.0.0.1")
+    return server
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@contextlib.asynccontextmanager
+async def fake_cluster(tmp_path, monkeypatch):
+    """A FakeKube with a CPU node and two GPU nodes, and kubeconfig pointing at it."""
+    fake = await FakeKube(tmp_path / "kube").start()
+    import kubernetes_asyncio.config.kube_config as kc
+
+    monkeypatch.setattr(
+        kc, "KUBE_CONFIG_DEFAULT_LOCATION", fake.kubeconfig(tmp_path / "kubeconfig")
+    )
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    fake.add_node(make_node("cpu-1"))
+    fake.add_node(make_node("gpu-a100", A100, 4))
+    fake.add_node(make_node("gpu-h100", H100, 2))
+    try:
+        yield fake
+    finally:
+        from jupyterhub_gpusnap.kubespawner import SnapKubeSpawner
+
+        await SnapKubeSpawner._stop_all_reflectors()
+        await fake.stop()

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import tornado.web
-from test_kubespawner import A100, H100, FakeAgent, fake_cluster, free_port, make_node
+from fake_kube import A100, H100, FakeAgent, fake_cluster, free_port, make_node
 from tornado.httpserver import HTTPServer
 
 from jupyterhub_gpusnap.doctor import RBAC_NEEDS, Doctor, DoctorApp, format_table, runtime_check
@@ -203,7 +203,7 @@ async def test_broken_cluster_says_what_to_fix(cluster, kubeconfig, capsys):
 async def test_agent_missing_and_gate_unknown(cluster, kubeconfig):
     kube, agents, port = cluster
     kube.allowed.discard(("get", "", "nodes", "proxy"))
-    del kube.pods["gpusnap-system/gpusnap-agent-gpu-a100"]
+    del kube.pods[("gpusnap-system", "gpusnap-agent-gpu-a100")]
     checks = by_name(
         await Doctor(
             **doctor_config(kube, port, registry="127.0.0.1:1/x", registry_insecure=True)

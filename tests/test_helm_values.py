@@ -20,8 +20,10 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
+from traitlets.config import Config, PyFileConfigLoader
 
-from jupyterhub_gpusnap.doctor import RBAC_NEEDS, Doctor
+from jupyterhub_gpusnap.agent.app import AgentApp
+from jupyterhub_gpusnap.doctor import RBAC_NEEDS, Doctor, granted_by_chart
 from jupyterhub_gpusnap.kubespawner import SnapKubeSpawner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,9 +197,25 @@ def test_daemonset_is_what_the_agent_needs():
     # the agent config mounted from the ConfigMap compiles
     cm = next(o for o in objs if o["kind"] == "ConfigMap")
     compile(cm["data"]["agent_config.py"], "agent_config.py", "exec")
+    # a restore writes the placeholder container's cgroup.procs
+    cgroup = next(m for m in container["volumeMounts"] if m["name"] == "host-cgroup")
+    assert not cgroup.get("readOnly")
 
 
-def test_agent_clusterrole_is_least_privilege():
+def agent_from_configmap(tmp_path, monkeypatch) -> AgentApp:
+    """The agent as configured by the ConfigMap's agent_config.py (loaded by traitlets)."""
+    cm = next(o for o in all_objects() if o["kind"] == "ConfigMap")
+    (tmp_path / "agent_config.py").write_text(cm["data"]["agent_config.py"])
+    monkeypatch.setenv("HOST_IP", "10.0.0.7")  # from the downward API in the DaemonSet
+    loader = PyFileConfigLoader("agent_config.py", path=str(tmp_path))
+    config = loader.load_config()
+    assert isinstance(config, Config)
+    return AgentApp(config=config)
+
+
+def test_agent_clusterrole_is_exactly_what_the_agent_uses_and_checks(tmp_path, monkeypatch):
+    """The ClusterRole grants exactly the rules the configured agent uses, which are the
+    rules its doctor reviews (AgentApp.rbac_needs): nothing more, nothing less."""
     role = next(
         o
         for o in all_objects()
@@ -210,6 +228,13 @@ def test_agent_clusterrole_is_least_privilege():
         for r in rule["resources"]
         for v in rule["verbs"]
     }
+    agent = agent_from_configmap(tmp_path, monkeypatch)
+    needs = {
+        (n.group, f"{n.resource}/{n.subresource}" if n.subresource else n.resource, n.verb)
+        for n in agent.rbac_needs()
+    }
+    assert rules == needs
+    # with this config: no nodes/proxy (exec into any pod) and no 'get nodes'
     assert rules == {
         ("", "nodes/checkpoint", "create"),
         ("", "pods", "get"),
@@ -226,8 +251,9 @@ def test_agent_clusterrole_is_least_privilege():
     ]
 
 
-def test_hub_rbac_grants_what_doctor_checks():
-    """Every non-chart permission doctor reviews is granted by rbac-hub.yaml to the hub SA."""
+def test_hub_rbac_grants_exactly_what_doctor_checks():
+    """rbac-hub.yaml grants the hub SA exactly the permissions doctor reviews that the
+    Z2JH chart's hub Role does not already grant."""
     objs = docs(HELM / "agent" / "rbac-hub.yaml")
     granted = set()
     roles = {
@@ -242,22 +268,19 @@ def test_hub_rbac_grants_what_doctor_checks():
         ]
         scope = b["metadata"].get("namespace", "")
         for rule in role["rules"]:
-            for res in rule["resources"]:
-                for verb in rule["verbs"]:
-                    granted.add((verb, res, scope))
-    chart_role = {
-        ("create", "pods"),
-        ("get", "pods"),
-        ("list", "pods"),
-        ("watch", "pods"),
-        ("delete", "pods"),
-        ("list", "events"),
-    }
+            for group in rule["apiGroups"]:
+                for res in rule["resources"]:
+                    for verb in rule["verbs"]:
+                        granted.add((verb, group, res, scope))
     scopes = {"ns": "jhub", "agent": "gpusnap-system", "": ""}
-    for verb, _group, res, _sub, scope, _why in RBAC_NEEDS:
-        if scope == "ns" and (verb, res) in chart_role:
-            continue  # the Z2JH chart's hub Role
-        assert (verb, res, scopes[scope]) in granted, (verb, res, scope)
+    needed = {
+        (verb, group, f"{res}/{sub}" if sub else res, scopes[scope])
+        for verb, group, res, sub, scope, _why in RBAC_NEEDS
+        if not granted_by_chart(verb, group, res, scope)
+    }
+    assert granted == needed
+    # what the chart grants is not granted twice
+    assert not any(granted_by_chart(v, g, r, "ns") for v, g, r, scope in granted if scope == "jhub")
 
 
 def test_dockerfiles_install_the_package():

@@ -16,7 +16,16 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from fake_kube import AGENT_SECRET, NODE, Cluster, Workload, free_port, validate
+from fake_kube import (
+    AGENT_SECRET,
+    NODE,
+    Cluster,
+    SandboxContainer,
+    Workload,
+    cgroup2_mount,
+    free_port,
+    validate,
+)
 from registry import Registry
 from tornado.httpclient import AsyncHTTPClient
 
@@ -36,6 +45,16 @@ CID = "4b825dc642cb6eb9a060e54bf8d69288fbee4904" + "0" * 24
 async def cluster(tmp_path):
     c = Cluster(tmp_path)
     await c.start()
+    yield c
+    await c.stop()
+
+
+@pytest.fixture
+async def host_cluster(tmp_path):
+    """A cluster whose agent reads this machine's real /proc and cgroup v2 tree, so that
+    restores go into a real placeholder container (fake_kube.SandboxContainer)."""
+    c = Cluster(tmp_path)
+    await c.start(PodMapper__proc_root="/proc", PodMapper__cgroup_root=str(cgroup2_mount()))
     yield c
     await c.stop()
 
@@ -145,7 +164,11 @@ async def test_signals_map_host_pids_to_pods_and_read_cgroup_cpu(cluster):
     cluster.tree.set_cpu(uid, 7_500_000)  # 0.5 s of CPU over the next one-second tick
     code, body = await call(cluster, "GET", "/v1/signals?pod=jhub/jupyter-alice")
     assert body["pods"]["jhub/jupyter-alice"]["cpu_percent"] == pytest.approx(50.0)
-    assert ("GET", f"/api/v1/pods?fieldSelector=spec.nodeName%3D{NODE}") in cluster.kube.requests
+    assert (
+        "GET",
+        f"/api/v1/pods?fieldSelector=spec.nodeName%3D{NODE}",
+        None,
+    ) in cluster.kube.requests
 
     mapped = cluster.agent.mapper.scan()
     assert mapped[uid].pids == [4242, 4250]
@@ -179,6 +202,24 @@ async def test_healthz_and_doctor_report_node_facts(cluster):
         checks["cgroup-v2"]["ok"] and checks["checkpoint-dir"]["ok"] and checks["api-server"]["ok"]
     )
     assert not checks["nvidia-driver"]["ok"] and "NVIDIA driver" in checks["nvidia-driver"]["fix"]
+    # the RBAC rules the agent uses, each reviewed with a SelfSubjectAccessReview
+    rbac = sorted(name for name in checks if name.startswith("rbac: "))
+    assert rbac == [
+        "rbac: create nodes/checkpoint",
+        "rbac: get nodes",  # this config gives no kubelet_host/kubelet_port
+        "rbac: get pods",
+        "rbac: list pods",
+    ]
+    assert all(checks[name]["ok"] for name in rbac)
+    reviews = [b for m, u, b in cluster.kube.requests if u.endswith("selfsubjectaccessreviews")]
+    assert {"verb": "create", "resource": "nodes", "subresource": "checkpoint"} in [
+        r["spec"]["resourceAttributes"] for r in reviews
+    ]
+    # a rule the ClusterRole lacks fails, naming where to add it
+    cluster.kube.forbid("nodes/checkpoint")
+    code, body = await call(cluster, "GET", "/v1/doctor")
+    failed = {c["name"]: c for c in body["checks"]}["rbac: create nodes/checkpoint"]
+    assert not failed["ok"] and "helm-values/agent/rbac.yaml" in failed["fix"]
     assert not checks["host-pids"]["ok"] and "hostPID" in checks["host-pids"]["fix"]
 
 
@@ -227,8 +268,11 @@ def alice(name: str = "") -> Server:
 
 
 @pytest.mark.criu
-async def test_backend_checkpoint_ships_verified_image_and_records_it(cluster, registry, tmp_path):
-    work = Workload(tmp_path).start()
+async def test_backend_checkpoint_ships_verified_image_and_records_it(
+    host_cluster, registry, tmp_path
+):
+    cluster = host_cluster
+    work = Workload(tmp_path, namespaces=True).start()
     await work.wait_lines(2)
     cluster.add_user_pod("alice", work)
     backend = KubernetesBackend(
@@ -272,15 +316,21 @@ async def test_backend_checkpoint_ships_verified_image_and_records_it(cluster, r
     secret = work.lines()[0][0]
     work.stop()
     cluster.kube.pods.pop(("jhub", "jupyter-alice"))
-    cluster.add_user_pod("alice")
-    pid = await backend.restore(info, "jhub", "jupyter-alice")
+    sandbox = SandboxContainer(cluster.add_user_pod("alice", placeholder_for=info.id)).start()
+    pid = 0
     try:
+        pid = await backend.restore(info, "jhub", "jupyter-alice")
         assert pid == work.pid
+        assert os.readlink(f"/proc/{pid}/ns/net") == os.readlink(f"/proc/{sandbox.pid}/ns/net")
         seen = len(work.lines())
         after = (await work.wait_lines(seen + 1))[seen:]
         assert after[0][0] == secret and after[0][1] > 1
     finally:
-        os.kill(pid, signal.SIGKILL)
+        if pid:
+            os.kill(pid, signal.SIGKILL)
+        for r in cluster.agent._restored:
+            r.criu.wait(timeout=30)
+        sandbox.stop()
 
     await backend.delete(info.id)
     assert cluster.kube.configmaps == {} and await backend.latest("alice", "") is None
@@ -338,7 +388,7 @@ async def test_checkpoint_to_pvc_through_the_apiserver_proxy(tmp_path):
             path.startswith(
                 f"/api/v1/nodes/{NODE}/proxy/checkpoint/jhub/jupyter-alice/notebook?timeout="
             )
-            for _, path in cluster.kube.requests
+            for _, path, _ in cluster.kube.requests
         )
         assert work.alive() and cluster.kube.deleted == []
         assert list(cluster.kube.checkpoints.iterdir()) == [bobs]

@@ -104,7 +104,11 @@ async def kubelet_archive(cluster: Cluster, work: Workload) -> str:
 
 async def test_archive_pushed_pulled_by_digest_and_restored_by_the_agent(tmp_path, registry):
     cluster = Cluster(tmp_path)
-    await cluster.start(AgentApp__restore_dir=str(tmp_path / "restore"))
+    # a single machine without pods: restore into the agent's own namespaces (the
+    # placeholder-pod path is tested in test_agent_restore_ns.py)
+    await cluster.start(
+        AgentApp__restore_dir=str(tmp_path / "restore"), AgentApp__restore_into="agent"
+    )
     work = Workload(tmp_path, ballast=3 << 20).start()
     restored = None
     try:
@@ -173,7 +177,7 @@ async def _post(cluster: Cluster, path: str, body: dict):
 
 async def test_restore_refuses_an_image_that_is_not_a_checkpoint(tmp_path, registry):
     cluster = Cluster(tmp_path)
-    await cluster.start()
+    await cluster.start(AgentApp__restore_into="agent")
     try:
         not_checkpoint = tmp_path / "plain.tar"
         not_checkpoint.write_bytes(tar_bytes({"etc/motd": b"hello\n"}))
@@ -308,7 +312,10 @@ async def test_token_auth_registry_gets_a_bearer_token_from_the_realm(tmp_path):
             client, f"{registry.host}/gpusnap/alice", blob, {}, "t1", 0.0
         )
         assert client._auth_header.startswith("Bearer ey")
-        assert "repository:gpusnap/alice:pull,push" in registry.tokens.issued
+        # the registry's challenge lists the actions in no fixed order
+        assert {"repository:gpusnap/alice:pull,push", "repository:gpusnap/alice:push,pull"} & set(
+            registry.tokens.issued
+        )
         pulled = tmp_path / "pulled.tar"
         await oci.pull_layer(client, pushed.ref, pulled)
         assert pulled.read_bytes() == blob.read_bytes()

@@ -9,7 +9,8 @@ request carries ``Authorization: Bearer <token>``; errors are
   ``gpu_memory_bytes``, ``gpu_count``
 - ``POST /v1/checkpoint`` → freeze GPU memory, kubelet checkpoint, ship + verify,
   delete the node's archive; on failure the GPU is resumed and the container runs on
-- ``POST /v1/restore`` → fetch by digest, unpack, ``criu restore``, resume GPU memory
+- ``POST /v1/restore`` → fetch by digest, unpack, ``criu restore`` into the placeholder
+  pod's container (its root, net/ipc/uts namespaces and cgroup), resume GPU memory
 - ``POST /v1/park`` / ``/v1/unpark`` → GPU memory of a pod to host memory and back
 - ``GET /v1/doctor`` → node-side readiness checks
 """
@@ -27,7 +28,19 @@ from pathlib import Path
 import psutil
 from tornado import web
 from tornado.httpserver import HTTPServer
-from traitlets import Dict, Enum, Float, Instance, Integer, List, Unicode, default
+from traitlets import (
+    Bool,
+    Dict,
+    Enum,
+    Float,
+    Instance,
+    Integer,
+    List,
+    TraitError,
+    Unicode,
+    default,
+    validate,
+)
 from traitlets.config import Application
 
 from .. import __version__
@@ -46,7 +59,9 @@ from .handlers import (
     UnparkHandler,
 )
 from .kubelet import KubeAPI, KubeletClient
+from .placeholder import JOINABLE_NAMESPACES, PLACEHOLDER_ANNOTATION, Placeholder, pick_root
 from .pods import CpuMeter, PodMapper, container_id
+from .rbac import Need, agent_rbac_needs
 from .ship import Shipper, delete_local, remove_tree, sweep_archives
 
 
@@ -139,10 +154,49 @@ class AgentApp(Application):
         600.0, help="Seconds a 'criu restore' may take before it is stopped."
     ).tag(config=True)
 
+    restore_into = Enum(
+        ["placeholder", "agent"],
+        "placeholder",
+        help="Where POST /v1/restore puts the restored process tree. 'placeholder' (the "
+        "default, for clusters): into the running container of the pod named in the request "
+        "(SnapKubeSpawner's placeholder pod): criu restore runs with that container's root "
+        "(--root /proc/<pid>/root), joins its namespaces (restore_join_namespaces) and is "
+        "started inside its cgroup; the restore is refused (409) while that container has "
+        "no process on this node. 'agent': into the agent's own namespaces and cgroup "
+        "(--root restore_root when set); only for a single machine without pods.",
+    ).tag(config=True)
+
+    restore_join_namespaces = List(
+        Unicode(),
+        list(JOINABLE_NAMESPACES),
+        help="Namespaces of the placeholder container that a restore joins (criu restore "
+        "--join-ns NS:/proc/<pid>/ns/NS), with restore_into='placeholder'. Any of 'net' "
+        "(the pod IP the Hub and proxy know), 'ipc', 'uts'; CRIU cannot join a PID namespace.",
+    ).tag(config=True)
+
+    @validate("restore_join_namespaces")
+    def _check_join(self, proposal):
+        bad = [ns for ns in proposal["value"] if ns not in JOINABLE_NAMESPACES]
+        if bad:
+            raise TraitError(
+                f"AgentApp.restore_join_namespaces: {bad} cannot be joined; use any of "
+                f"{list(JOINABLE_NAMESPACES)}"
+            )
+        return proposal["value"]
+
+    restore_requires_placeholder = Bool(
+        True,
+        help="With restore_into='placeholder', restore only into a pod annotated "
+        f"{PLACEHOLDER_ANNOTATION}=<the image being restored> (SnapKubeSpawner sets it on its "
+        "placeholder pods), so that a restore can never take over another running pod. "
+        "Turn off only for placeholder pods made by other tools.",
+    ).tag(config=True)
+
     restore_root = Unicode(
         "",
-        help="Root filesystem to restore into (criu --root). Empty: the agent's own root. For "
-        "a placeholder pod, /proc/<placeholder pid>/root.",
+        help="Root filesystem to restore into (criu --root) with restore_into='agent'. "
+        "Empty: the agent's own root. With restore_into='placeholder' the placeholder "
+        "container's root (/proc/<pid>/root) is used instead.",
     ).tag(config=True)
 
     default_timeout = Integer(
@@ -407,6 +461,14 @@ class AgentApp(Application):
                 return procs.containers.get(container_id(status["containerID"]), procs.pids)
         return procs.pids
 
+    def rbac_needs(self) -> list[Need]:
+        """The cluster-wide RBAC rules this agent uses with its configuration."""
+        return agent_rbac_needs(
+            self.auth,
+            self.kubelet.kubelet_route,
+            bool(self.kubelet.kubelet_host and self.kubelet.kubelet_port),
+        )
+
     def claim(self, key: str, what: str) -> None:
         if key in self._busy:
             raise AgentError(
@@ -516,9 +578,75 @@ class AgentApp(Application):
             "node": self.node_name,
         }
 
+    async def placeholder(
+        self, namespace: str, name: str, container: str, image: str = ""
+    ) -> Placeholder:
+        """The running process of ``container`` in placeholder pod ``namespace/name``.
+
+        Raises a 409 AgentError when the pod is not a placeholder for ``image``, while it is
+        elsewhere, its container is not running or none of its processes is visible (the
+        caller retries or starts a fresh server).
+        """
+        key = f"{namespace}/{name}"
+        pod = await self.pod_on_node(namespace, name)
+        waits_for = (pod["metadata"].get("annotations") or {}).get(PLACEHOLDER_ANNOTATION)
+        if self.restore_requires_placeholder and waits_for != image:
+            raise AgentError(
+                f"pod {key} is not a placeholder for {image} "
+                f"({PLACEHOLDER_ANNOTATION}: {waits_for or '(none)'})",
+                "restore into the placeholder pod SnapKubeSpawner created for this checkpoint",
+                409,
+            )
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        if not container and len(statuses) == 1:
+            container = statuses[0].get("name", "")
+        status = next((s for s in statuses if s.get("name") == container), None)
+        if (
+            status is None
+            or not status.get("containerID")
+            or "running" not in (status.get("state") or {})
+        ):
+            raise AgentError(
+                f"container {container or '(none named)'} of placeholder pod {key} is not running",
+                "wait until the placeholder pod is Running (its container runs "
+                "SnapKubeSpawner.placeholder_command) and name it in 'container'",
+                409,
+            )
+        procs = (await asyncio.to_thread(self.mapper.scan)).get(pod["metadata"]["uid"])
+        pids = procs.containers.get(container_id(status["containerID"]), []) if procs else []
+        root = await asyncio.to_thread(pick_root, pids, self.mapper.proc_root) if pids else None
+        if root is None:
+            raise AgentError(
+                f"no process of container {container} (pod {key}) is visible on node "
+                f"{self.node_name}",
+                "run the agent with hostPID: true, the host's /proc at PodMapper.proc_root and "
+                "the host's cgroup v2 hierarchy at PodMapper.cgroup_root",
+                409,
+            )
+        target = await asyncio.to_thread(
+            Placeholder.of,
+            root,
+            self.mapper.proc_root,
+            self.mapper.cgroup_root,
+            list(self.restore_join_namespaces),
+        )
+        if not os.access(target.cgroup / "cgroup.procs", os.W_OK):
+            raise AgentError(
+                f"cannot write {target.cgroup / 'cgroup.procs'} (cgroup of pod {key})",
+                "mount the host's /sys/fs/cgroup read-write at PodMapper.cgroup_root and run "
+                "the agent privileged",
+                500,
+            )
+        return target
+
     async def restore(self, body: dict) -> dict:
+        """Fetch and restore a checkpoint; optional body field ``container`` names the
+        placeholder's container (default: the pod's only one)."""
         ns, name = need(body, "namespace"), need(body, "pod")
         image = need(body, "image")
+        container = body.get("container") or ""
+        if not isinstance(container, str):
+            raise AgentError("container must be a string", "send the container's name", 400)
         key = f"{ns}/{name}"
         self.claim(key, "restore")
         scratch = (
@@ -526,15 +654,31 @@ class AgentApp(Application):
         )
         try:
             started = time.monotonic()
+            target = (
+                await self.placeholder(ns, name, container, image)
+                if self.restore_into == "placeholder"
+                else None
+            )
             images = await self.shipper.fetch(image, scratch)
             extra = list(self.criu_restore_args)
-            if self.restore_root:
+            criu = self.criu_path
+            if target is not None:
+                extra += target.criu_args()
+                binary = criu_tools.find_criu(self.criu_path)
+                if not binary:
+                    raise AgentError(
+                        f"CRIU not found at {self.criu_path}",
+                        "install CRIU >= 4.2 in the agent image and set AgentApp.criu_path",
+                        500,
+                    )
+                criu = str(target.launcher(scratch, binary))
+            elif self.restore_root:
                 extra += ["--root", self.restore_root]
             try:
                 restored = await criu_tools.restore(
                     images,
                     scratch / "restore.pid",
-                    criu=self.criu_path,
+                    criu=criu,
                     extra=extra,
                     timeout=self.restore_timeout,
                 )
@@ -549,17 +693,33 @@ class AgentApp(Application):
             self._restored = [r for r in self._restored if r.reap() is None] + [restored]
             pid = restored.pid
             tree = [pid, *(c.pid for c in _children(pid))]
+            result: dict = {"restored": True, "pid": pid}
+            if target is not None:
+                moved = await asyncio.to_thread(target.adopt, tree)
+                if moved:
+                    self.log.warning(
+                        "restore into pod %s: pids %s were outside %s, moved in",
+                        key,
+                        moved,
+                        target.cgroup,
+                    )
+                result.update(
+                    placeholder_pid=target.pid,
+                    namespaces=target.namespaces,
+                    cgroup="/" + str(target.cgroup.relative_to(self.mapper.cgroup_root)),
+                )
             resumed = await self.cuda.resume(tree)
             self.log.info(
-                "restored %s into pod %s as pid %d (GPU pids %s) in %.1fs",
+                "restored %s into pod %s as pid %d (%s, GPU pids %s) in %.1fs",
                 image,
                 key,
                 pid,
+                f"placeholder pid {target.pid}" if target else "agent namespaces",
                 resumed,
                 time.monotonic() - started,
             )
             remove_tree(scratch)
-            return {"restored": True, "pid": pid}
+            return result
         finally:
             self._busy.pop(key, None)
 
@@ -640,10 +800,25 @@ class AgentApp(Application):
             "NVIDIA driver >= 570 provides cuCheckpointProcess*",
         )
         try:
-            await self.api.get_node(self.node_name)
-            check("api-server", True, f"node {self.node_name} readable")
+            # what the agent itself does (list pods on its node), not a read it is not granted
+            pods = await self.node_pods()
+            check("api-server", True, f"{len(pods)} pods on node {self.node_name} readable")
         except AgentError as e:
             check("api-server", False, e.message, e.fix)
+        for rule in self.rbac_needs():
+            try:
+                status = await self.api.access_review(rule.review())
+                allowed = bool(status.get("allowed"))
+                detail = rule.why if allowed else f"not allowed: {rule.why}"
+            except AgentError as e:
+                allowed, detail = False, f"review failed: {e.message}"
+            check(
+                f"rbac: {rule.name}",
+                allowed,
+                detail,
+                f"add verbs [{rule.verb}] on {rule.name.split(' ', 1)[1]} to the agent's "
+                "ClusterRole (helm-values/agent/rbac.yaml)",
+            )
         return {"checks": checks}
 
 

@@ -11,6 +11,12 @@ the container keeps running. Two routes reach it:
   server; needs ``nodes/proxy`` ``create``, which also allows running commands in any
   pod of the node: use it only where the agent cannot reach port 10250.
 
+The direct route verifies the kubelet's serving certificate by default
+(``verify_kubelet_tls``) against ``kubelet_ca_file`` (default: the cluster CA from the
+ServiceAccount mount, which signs kubelet certificates issued through
+``serverTLSBootstrap``); the agent's bearer token is never sent to an unverified peer
+unless an admin turns verification off.
+
 Every failure becomes an :class:`AgentError` whose ``fix`` says what to change.
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 from pathlib import Path
 from urllib.parse import quote, urlencode
 
@@ -170,6 +177,19 @@ class KubeAPI(LoggingConfigurable):
     async def get_node(self, name: str) -> dict:
         return await self.request("GET", f"/api/v1/nodes/{quote(name)}")
 
+    async def access_review(self, attributes: dict) -> dict:
+        """Ask the API server whether our own ServiceAccount may do ``attributes``
+        (a SelfSubjectAccessReview, which every authenticated identity may create)."""
+        review = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SelfSubjectAccessReview",
+            "spec": {"resourceAttributes": attributes},
+        }
+        result = await self.request(
+            "POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", body=review
+        )
+        return result.get("status") or {}
+
     async def token_review(self, token: str) -> dict:
         """Ask the API server who ``token`` belongs to: the TokenReview's ``status``."""
         review = {
@@ -222,9 +242,12 @@ class KubeletClient(LoggingConfigurable):
     ).tag(config=True)
 
     kubelet_ca_file = Unicode(
-        "",
-        help="CA that signs the kubelet's serving certificate (when kubelets use serverTLSBootstrap). "
-        "Empty: the certificate is not verified, as most kubelets serve a self-signed one.",
+        f"{SA_DIR}/ca.crt",
+        help="CA bundle that signs the kubelets' serving certificates, for the direct route. "
+        "Default: the cluster CA of the ServiceAccount mount, which signs kubelet certificates "
+        "when kubelets run with serverTLSBootstrap: true (approve their kubelet-serving CSRs). "
+        "Where kubelets serve certificates of another CA, mount that CA (e.g. a ConfigMap with "
+        "the node's /var/lib/kubelet/pki CA) and point this at it.",
     ).tag(config=True)
 
     timeout_grace = Float(
@@ -233,8 +256,11 @@ class KubeletClient(LoggingConfigurable):
     ).tag(config=True)
 
     verify_kubelet_tls = Bool(
-        False,
-        help="Verify the kubelet's TLS certificate (needs kubelet_ca_file or signed kubelet certs).",
+        True,
+        help="Verify the kubelet's TLS certificate against kubelet_ca_file on the direct route. "
+        "Turn it off only where kubelets serve self-signed certificates and the node network "
+        "is trusted: the agent sends its ServiceAccount token to whatever answers on the "
+        "kubelet port.",
     ).tag(config=True)
 
     def __init__(self, api: KubeAPI, **kwargs):
@@ -259,18 +285,53 @@ class KubeletClient(LoggingConfigurable):
         """Checkpoint ``namespace/pod/container``; return the archive's path on the node."""
         url = await self.checkpoint_url(node, namespace, pod, container, int(timeout))
         proxy = self.kubelet_route == "apiserver-proxy"
+        verify = proxy or self.verify_kubelet_tls
+        ca = self.api.ca_file if proxy else self.kubelet_ca_file
+        kubelet_tls = not proxy and url.startswith("https:") and verify
+        if kubelet_tls and not os.path.isfile(ca):
+            raise AgentError(
+                f"KubeletClient.kubelet_ca_file {ca or '(empty)'} does not exist, so the "
+                f"kubelet's certificate on node {node} cannot be verified",
+                "set KubeletClient.kubelet_ca_file to the CA that signs the kubelets' serving "
+                "certificates (mount it into the agent pod), or, only on a trusted node network "
+                "with self-signed kubelet certificates, KubeletClient.verify_kubelet_tls = False",
+                500,
+            )
         req = HTTPRequest(
             url,
             method="POST",
             body=b"",
             headers={"Authorization": f"Bearer {self.api.token()}", "Accept": "application/json"},
             request_timeout=timeout + self.timeout_grace,
-            validate_cert=proxy or self.verify_kubelet_tls,
-            ca_certs=(self.api.ca_file if proxy else self.kubelet_ca_file) or None,
+            validate_cert=verify,
+            ca_certs=(ca or None) if verify else None,
         )
         where = f"{namespace}/{pod}/{container} on node {node}"
         try:
             response = await AsyncHTTPClient().fetch(req, raise_error=False)
+        except ssl.SSLCertVerificationError as e:
+            if not kubelet_tls:
+                raise AgentError(
+                    f"the API server's certificate failed verification: {e.verify_message}",
+                    "set KubeAPI.ca_file to the cluster CA (the ServiceAccount's ca.crt)",
+                    502,
+                ) from e
+            raise AgentError(
+                f"the kubelet's TLS certificate at {url.split('/checkpoint/')[0]} failed "
+                f"verification against KubeletClient.kubelet_ca_file {ca}: {e.verify_message}",
+                "set KubeletClient.kubelet_ca_file to the CA that signs the kubelets' serving "
+                "certificates (with serverTLSBootstrap: true the cluster CA), or, only on a "
+                "trusted node network with self-signed kubelet certificates, "
+                "KubeletClient.verify_kubelet_tls = False",
+                502,
+            ) from e
+        except ssl.SSLError as e:
+            raise AgentError(
+                f"TLS with {url.split('/checkpoint/')[0]} failed: {e}",
+                "check KubeletClient.kubelet_scheme and kubelet_port (the kubelet serves https "
+                "on 10250)",
+                502,
+            ) from e
         except HTTPClientError as e:
             raise AgentError(
                 f"the kubelet gave no answer within {timeout + self.timeout_grace:g}s checkpointing {where}",

@@ -1,0 +1,204 @@
+"""The agent restores a checkpoint into the placeholder pod's container, for real.
+
+A real process in its own net/IPC/UTS namespaces stands for the notebook container;
+the fake kubelet dumps it with real CRIU into a kubelet-style archive. A second real
+process in fresh namespaces, placed in a real cgroup v2 folder named like a pod
+container's cgroup, stands for the placeholder. ``POST /v1/restore`` must find the
+placeholder through the agent's host-PID → pod mapping (real /proc, real cgroups) and
+restore the process into the placeholder's namespaces and cgroup, memory intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from fake_kube import AGENT_SECRET, Cluster, SandboxContainer, Workload, cgroup2_mount
+from tornado.httpclient import AsyncHTTPClient
+from traitlets import TraitError
+
+from jupyterhub_gpusnap.agent.app import AgentApp
+from jupyterhub_gpusnap.agent.ship import Shipper
+from jupyterhub_gpusnap.kubespawner import PLACEHOLDER_ANNOTATION
+
+pytestmark = [pytest.mark.k8s, pytest.mark.criu]
+
+NAMESPACES = ("net", "ipc", "uts")
+
+
+def ns_of(pid: int | str) -> dict[str, str]:
+    return {ns: os.readlink(f"/proc/{pid}/ns/{ns}") for ns in NAMESPACES}
+
+
+def cgroup_of(pid: int) -> str:
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        if line.startswith("0::"):
+            return line[3:]
+    raise AssertionError(f"pid {pid} has no cgroup v2 line")
+
+
+async def post(cluster: Cluster, path: str, body: dict) -> tuple[int, dict]:
+    r = await AsyncHTTPClient().fetch(
+        cluster.agent_url + path,
+        method="POST",
+        body=json.dumps(body),
+        headers={"Authorization": f"Bearer {AGENT_SECRET}"},
+        raise_error=False,
+        request_timeout=120,
+    )
+    return r.code, json.loads(r.body)
+
+
+async def start_cluster(tmp_path: Path) -> Cluster:
+    """A cluster whose agent reads this machine's real /proc and cgroup v2 tree."""
+    return await Cluster(tmp_path).start(
+        PodMapper__proc_root="/proc",
+        PodMapper__cgroup_root=str(cgroup2_mount()),
+        AgentApp__restore_dir=str(tmp_path / "restore"),
+    )
+
+
+def placeholder_pod(cluster: Cluster, image: str) -> dict:
+    """The placeholder pod SnapKubeSpawner creates in place of the deleted user pod."""
+    pod = cluster.add_user_pod("alice", placeholder_for=image)
+    assert pod["metadata"]["annotations"][PLACEHOLDER_ANNOTATION] == image
+    return pod
+
+
+async def test_restore_joins_the_placeholders_namespaces_and_cgroup(tmp_path):
+    cluster = await start_cluster(tmp_path)
+    work = Workload(tmp_path, namespaces=True).start()
+    sandbox = None
+    restored = 0
+    try:
+        dumped_ns = ns_of(work.pid)
+        assert dumped_ns != ns_of("self")  # a container of its own
+        before = await work.wait_lines(3)
+        secret = before[0][0]
+        cluster.add_user_pod("alice", work)
+        path = await cluster.kube.kubelet_checkpoint("jhub", "jupyter-alice", "notebook")
+        archive = cluster.kube.checkpoints / os.path.basename(path)
+        pvc = tmp_path / "pvc"
+        pvc.mkdir()
+        shipped = await Shipper().to_pvc(archive, pvc, "alice/", 0, time.time())
+
+        # the server's pod is deleted (its PIDs free); the placeholder takes its place
+        work.stop()
+        cluster.kube.pods.pop(("jhub", "jupyter-alice"))
+        sandbox = SandboxContainer(placeholder_pod(cluster, shipped.id)).start()
+        assert ns_of(sandbox.pid) not in (ns_of("self"), dumped_ns)
+
+        code, body = await post(
+            cluster,
+            "/v1/restore",
+            {
+                "namespace": "jhub",
+                "pod": "jupyter-alice",
+                "container": "notebook",
+                "image": shipped.id,
+            },
+        )
+        assert code == 200, body
+        restored = body["pid"]
+        assert restored == work.pid  # CRIU restores the same PID
+        assert body["placeholder_pid"] == sandbox.pid
+        # in the placeholder's namespaces, not the agent's nor the dumped container's
+        assert ns_of(restored) == ns_of(sandbox.pid) == body["namespaces"]
+        assert ns_of(restored) != ns_of("self")
+        # in the placeholder container's cgroup, so the pod's limits and deletion apply
+        assert cgroup_of(restored) == cgroup_of(sandbox.pid) == sandbox.cgroup_path
+        assert body["cgroup"] == sandbox.cgroup_path
+        assert str(restored) in (sandbox.cgroup / "cgroup.procs").read_text().split()
+        # the process state survived: the same secret, the counter goes on from the dump
+        at_restore = len(work.lines())
+        after = await work.wait_lines(at_restore + 2)
+        new = after[at_restore:]
+        assert all(s == secret for s, _ in new)
+        assert new[0][1] > before[-1][1]
+        assert not (tmp_path / "restore").exists() or not list((tmp_path / "restore").iterdir())
+    finally:
+        if restored:
+            try:
+                os.kill(restored, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for r in cluster.agent._restored:  # criu exits once its restored tree is gone
+            r.criu.wait(timeout=30)
+        work.stop()
+        if sandbox is not None:
+            sandbox.stop()
+        await cluster.stop()
+
+
+async def test_restore_waits_for_a_running_placeholder_and_fetches_nothing(tmp_path):
+    cluster = await start_cluster(tmp_path)
+    try:
+        # the placeholder pod exists but none of its processes runs on this node
+        placeholder_pod(cluster, "/nowhere/alice.tar")
+        code, body = await post(
+            cluster,
+            "/v1/restore",
+            {
+                "namespace": "jhub",
+                "pod": "jupyter-alice",
+                "container": "notebook",
+                "image": "/nowhere/alice.tar",
+            },
+        )
+        assert code == 409, body
+        assert "no process of container notebook (pod jhub/jupyter-alice)" in body["error"]
+        assert "hostPID" in body["fix"]
+        # a container that does not exist in the pod is named as such
+        code, body = await post(
+            cluster,
+            "/v1/restore",
+            {
+                "namespace": "jhub",
+                "pod": "jupyter-alice",
+                "container": "lab",
+                "image": "/nowhere/alice.tar",
+            },
+        )
+        assert code == 409 and "container lab of placeholder pod" in body["error"]
+        assert "placeholder_command" in body["fix"]
+        # a pod that is not the placeholder of this image (a user's running server) is
+        # never restored into
+        code, body = await post(
+            cluster,
+            "/v1/restore",
+            {
+                "namespace": "jhub",
+                "pod": "jupyter-alice",
+                "container": "notebook",
+                "image": "/nowhere/bob.tar",
+            },
+        )
+        assert code == 409 and "is not a placeholder for /nowhere/bob.tar" in body["error"]
+        cluster.add_user_pod("carol")
+        code, body = await post(
+            cluster,
+            "/v1/restore",
+            {"namespace": "jhub", "pod": "jupyter-carol", "image": "/nowhere/alice.tar"},
+        )
+        assert code == 409 and f"{PLACEHOLDER_ANNOTATION}: (none)" in body["error"]
+    finally:
+        await cluster.stop()
+
+
+def test_placeholder_annotation_is_the_spawners():
+    from jupyterhub_gpusnap.agent.placeholder import PLACEHOLDER_ANNOTATION as AGENTS
+
+    assert AGENTS == PLACEHOLDER_ANNOTATION
+
+
+def test_only_joinable_namespaces_are_accepted():
+    assert AgentApp(restore_join_namespaces=["net", "uts"]).restore_join_namespaces == [
+        "net",
+        "uts",
+    ]
+    with pytest.raises(TraitError, match="restore_join_namespaces.*'pid'"):
+        AgentApp(restore_join_namespaces=["net", "pid"])
