@@ -54,6 +54,7 @@ from ..procs import tree_pids  # noqa: F401  (re-exported)
 from . import criu
 from .base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
 from .chunks import PAGE, STORE, ChunkStore, Follower
+from .gpucompat import gpu_mismatch
 from .keys import Key, KeyFileError, load_keys
 from .manifest import (
     CHUNK_BYTES,
@@ -1024,17 +1025,23 @@ class LocalBackend(CheckpointBackend):
             if problems:
                 self._unstage(folder, images)
                 raise damaged(problems)
-            hashing = asyncio.ensure_future(asyncio.sleep(0, []))
+            pages = []
         else:
             small = [n for n in m.files if not is_pages_file(n)]
             pages = [n for n in m.files if is_pages_file(n)]
             problems = await asyncio.to_thread(check, small)
             if problems:
                 raise damaged(problems)
-            hashing = asyncio.ensure_future(asyncio.to_thread(check, pages))
+        def check_pages() -> asyncio.Future:
+            """Checksums of the pages files, hashed from the page cache CRIU just filled
+            (started after CRIU: hashing during it halved CRIU's read speed from the disk)."""
+            if not pages:
+                return asyncio.ensure_future(asyncio.sleep(0, []))
+            return asyncio.ensure_future(asyncio.to_thread(check, pages))
+
         try:
             return await self._restore_tree(
-                info, folder, images, m, key, hashing, damaged, restore_started, timeout
+                info, folder, images, m, key, check_pages, damaged, restore_started, timeout
             )
         finally:
             if m.storage == "chunks":
@@ -1071,7 +1078,7 @@ class LocalBackend(CheckpointBackend):
         shutil.rmtree(images, ignore_errors=True)
 
     async def _restore_tree(
-        self, info, folder, images, m, key, hashing, damaged, restore_started, timeout
+        self, info, folder, images, m, key, check_pages, damaged, restore_started, timeout
     ) -> tuple[int, str, int]:
         """criu restore (from ``images``) + GPU restore of a checked image (the second half of
         :meth:`restore`)."""
@@ -1090,7 +1097,7 @@ class LocalBackend(CheckpointBackend):
         except CheckpointError as e:
             # A damaged page file is the likelier cause of a failed restore: say so.
             try:
-                problems = await hashing
+                problems = await check_pages()
             except Exception:
                 problems = []
             if problems:
@@ -1101,8 +1108,9 @@ class LocalBackend(CheckpointBackend):
         for p, r in list(self.restored.items()):
             if r.reap() is not None:
                 self.restored.pop(p, None)
-        # The GPU restore overlaps the last of the checksum work; a damaged image still ends
-        # the restored tree before anyone sees it.
+        # The page checksums (from the page cache CRIU just filled) and the GPU restore run
+        # together; a damaged image still ends the restored tree before anyone sees it.
+        hashing = check_pages()
         gpu = None
         if m.cuda_pids and self.cuda() is not None:
             gpu = asyncio.ensure_future(self.cuda().resume(tree_pids(restored.pid)))
@@ -1206,39 +1214,6 @@ class LocalBackend(CheckpointBackend):
                 )
             done.append(self._id(folder))
         return done
-
-
-def gpu_mismatch(m: Manifest, here: dict) -> str:
-    """Why GPU memory checkpointed as ``m`` cannot be restored on a host with GPUs ``here``
-    (a :meth:`CudaCheckpoint.gpu_inventory`), or '' if it can. The driver restores GPU
-    memory only onto the same GPU model, count and driver."""
-    if not m.cuda_pids:
-        return ""
-    if not here.get("gpu_count"):
-        reason = here.get("error") or "NVML finds no GPU"
-        return (
-            f"it holds GPU memory from {m.gpu_model or 'a GPU'} but this host has no usable GPU "
-            f"({reason}); restore it on a host with that GPU"
-        )
-    if m.gpu_model and here.get("gpu_model") != m.gpu_model:
-        return (
-            f"it was taken on {m.gpu_model} and this host has {here.get('gpu_model')}; the driver "
-            f"restores GPU memory only onto the same GPU model: restore it on a {m.gpu_model} host"
-        )
-    devices = m.extra.get("gpu_devices") or []
-    if devices and max(devices) >= here["gpu_count"]:
-        return (
-            f"it used GPU {max(devices)} and this host has {here['gpu_count']} GPU(s): restore "
-            f"it on a host with at least {max(devices) + 1}"
-        )
-    if m.driver_version and here.get("driver_version") and here["driver_version"] != m.driver_version:
-        return (
-            f"it was taken with NVIDIA driver {m.driver_version} and this host runs "
-            f"{here['driver_version']}; GPU checkpoints restore only under the driver that took "
-            f"them: go back to {m.driver_version} to restore it (restore suspended servers before "
-            "upgrading the driver)"
-        )
-    return ""
 
 
 def _dump_finished(folder: Path) -> bool:
