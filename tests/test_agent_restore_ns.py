@@ -23,6 +23,8 @@ from traitlets import TraitError
 
 from jupyterhub_gpusnap.agent.app import AgentApp
 from jupyterhub_gpusnap.agent.ship import Shipper
+from jupyterhub_gpusnap.checkpoint import criu as criu_tools
+from jupyterhub_gpusnap.checkpoint.base import CheckpointError
 from jupyterhub_gpusnap.kubespawner import PLACEHOLDER_ANNOTATION
 
 pytestmark = [pytest.mark.k8s, pytest.mark.criu]
@@ -113,6 +115,10 @@ async def test_restore_joins_the_placeholders_namespaces_and_cgroup(tmp_path):
         assert cgroup_of(restored) == cgroup_of(sandbox.pid) == sandbox.cgroup_path
         assert body["cgroup"] == sandbox.cgroup_path
         assert str(restored) in (sandbox.cgroup / "cgroup.procs").read_text().split()
+        # criu itself was started there (the restored tree is born in the pod's cgroup,
+        # not moved in afterwards): the agent never moves criu
+        (criu,) = cluster.agent._restored
+        assert cgroup_of(criu.criu.pid) == sandbox.cgroup_path
         # the process state survived: the same secret, the counter goes on from the dump
         at_restore = len(work.lines())
         after = await work.wait_lines(at_restore + 2)
@@ -187,6 +193,13 @@ async def test_restore_waits_for_a_running_placeholder_and_fetches_nothing(tmp_p
         assert code == 409 and f"{PLACEHOLDER_ANNOTATION}: (none)" in body["error"]
     finally:
         await cluster.stop()
+
+
+async def test_criu_restore_refuses_a_cgroup_it_cannot_enter(tmp_path):
+    missing = tmp_path / "no-such-cgroup"
+    with pytest.raises(CheckpointError, match="no-such-cgroup/cgroup.procs is not writable"):
+        await criu_tools.restore(tmp_path, tmp_path / "restore.pid", cgroup=missing)
+    assert not list(tmp_path.glob("restore-*.log"))  # criu never started
 
 
 def test_placeholder_annotation_is_the_spawners():

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from jupyterhub_gpusnap.checkpoint import CheckpointError
-from jupyterhub_gpusnap.checkpoint.local import LocalBackend, gpu_mismatch
+from jupyterhub_gpusnap.checkpoint import CheckpointError, local
+from jupyterhub_gpusnap.checkpoint.gpucompat import (
+    GpuNeeds,
+    gpu_difference,
+    gpu_mismatch,
+)
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest
 from jupyterhub_gpusnap.model import Server
 
@@ -42,6 +47,38 @@ def test_gpu_mismatch_names_the_difference_and_the_fix(m, host, words):
     assert bool(why) == bool(words)
     for w in words:
         assert w in why
+
+
+def test_local_backend_and_agent_share_one_check():
+    assert local.gpu_mismatch is gpu_mismatch
+
+
+def test_needs_round_trip_through_image_annotations_and_name_the_node():
+    needs = GpuNeeds(holds_gpu=True, model=H100, devices=[0, 3], driver_version="580.159.04")
+    ann = needs.annotations()
+    assert ann == {
+        "org.jupyterhub.gpusnap.gpu-model": H100,
+        "org.jupyterhub.gpusnap.gpu-count": "2",
+        "org.jupyterhub.gpusnap.gpu-devices": "0,3",
+        "org.jupyterhub.gpusnap.driver-version": "580.159.04",
+    }
+    assert GpuNeeds.from_annotations(ann) == needs
+    assert needs.as_dict() == {
+        "model": H100,
+        "count": 2,
+        "devices": [0, 3],
+        "driver_version": "580.159.04",
+    }
+    cpu_only = GpuNeeds.from_annotations(GpuNeeds().annotations())
+    assert cpu_only == GpuNeeds() and gpu_difference(cpu_only, {}) == ("", "")
+    # an image from before GPU needs were recorded, or with unreadable ones: nothing known
+    assert GpuNeeds.from_annotations({"org.jupyterhub.gpusnap.gpu-bytes": "0"}) is None
+    assert GpuNeeds.from_annotations({"org.jupyterhub.gpusnap.gpu-count": "two"}) is None
+
+    why, fix = gpu_difference(needs, here(gpu_count=4, gpu_model="NVIDIA L4"), "node")
+    assert why == f"it was taken on {H100} and this node has NVIDIA L4"
+    assert fix.endswith(f"restore it on a {H100} node")
+    assert gpu_difference(needs, here(gpu_count=4), "node") == ("", "")
 
 
 @pytest.mark.criu

@@ -27,13 +27,16 @@ from fake_kube import (
     validate,
 )
 from registry import Registry
+from test_cuda_absent import CHECKPOINTED, RUNNING, FakeLibcuda, FakeNvmlLib
 from tornado.httpclient import AsyncHTTPClient
 
 from jupyterhub_gpusnap.agent.pods import CpuMeter, parse_cgroup, parse_cpu_stat
 from jupyterhub_gpusnap.checkpoint import CheckpointError, CheckpointRefused
+from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
 from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
 from jupyterhub_gpusnap.model import Server
 from jupyterhub_gpusnap.signals.agent import AgentSignal
+from jupyterhub_gpusnap.signals.nvml import Nvml
 
 pytestmark = pytest.mark.k8s
 
@@ -304,6 +307,8 @@ async def test_backend_checkpoint_ships_verified_image_and_records_it(
     assert ann["org.criu.checkpoint.container.name"] == "notebook"
     assert ann["org.jupyterhub.gpusnap.server"] == "alice/"
     assert ann["org.jupyterhub.gpusnap.gpu-bytes"] == "0"
+    assert ann["org.jupyterhub.gpusnap.gpu-count"] == "0"  # no GPU state: restores anywhere
+    assert "org.jupyterhub.gpusnap.gpu-model" not in ann
 
     assert (await backend.latest("alice", "")).id == info.id
     assert await backend.latest("alice", "other") is None
@@ -476,6 +481,155 @@ async def test_backend_refuses_when_no_agent_runs_on_the_node(cluster):
     with pytest.raises(CheckpointRefused, match='pods \\\\?"jupyter-carol\\\\?" not found'):
         await backend.checkpoint(Server(user="carol"))
     assert cluster.kube.checkpointed == []
+
+
+# -- GPU checkpoints: recorded when taken, compared with the node's GPUs at restore ---------
+
+H100 = "NVIDIA H100 80GB HBM3"
+A100 = "NVIDIA A100-SXM4-80GB"
+DRIVER = "580.159.04"
+
+
+class NodeNvml(FakeNvmlLib):
+    """NVML of a node with the GPUs ``devices`` under NVIDIA driver ``driver``."""
+
+    def __init__(self, devices, driver=DRIVER):
+        super().__init__(devices)
+        self.driver = driver
+
+    def nvmlSystemGetDriverVersion(self):
+        return self.driver
+
+
+def give_node_gpus(
+    cluster: Cluster,
+    libcuda: FakeLibcuda | None,
+    models: list[str],
+    driver: str = DRIVER,
+    held: dict[int, dict[int, int]] | None = None,
+) -> None:
+    """Put the agent on a node with GPUs ``models`` (wire-level NVML and libcuda fakes);
+    ``held``: GPU memory per device and pid. ``libcuda`` None: no driver at all (this
+    machine's real NVML and libcuda, both absent)."""
+    agent = cluster.agent
+    if libcuda is None:
+        agent.nvml = Nvml()
+        agent.cuda = CudaCheckpoint(parent=agent, nvml=agent.nvml)
+        return
+    devices = [
+        {"name": m, "procs": dict((held or {}).get(i, {})), "samples": [], "util": 0}
+        for i, m in enumerate(models)
+    ]
+    agent.nvml = Nvml(NodeNvml(devices, driver))
+    agent.cuda = CudaCheckpoint(parent=agent, driver=libcuda, nvml=agent.nvml)
+
+
+REFUSALS = {
+    "other-model": (
+        [A100, A100],
+        DRIVER,
+        [f"taken on {H100}", f"this node has {A100}"],
+        [f"restore it on a {H100} node", "same GPU model"],
+    ),
+    "too-few-gpus": ([H100], DRIVER, ["used GPU 1", "1 GPU(s)"], ["at least 2"]),
+    "other-driver": (
+        [H100, H100],
+        "590.44.01",
+        [f"NVIDIA driver {DRIVER}", "runs 590.44.01"],
+        [f"go back to {DRIVER}", "before upgrading the driver"],
+    ),
+    "no-gpu": (None, "", ["no usable GPU", "NVMLError"], ["restore it on a node with that GPU"]),
+}
+
+
+@pytest.mark.criu
+async def test_gpu_checkpoint_records_its_gpus_and_restores_only_where_they_match(tmp_path):
+    """The agent records the GPU model, devices and driver of a GPU checkpoint in the
+    shipped record and its reply; a restore on a node whose GPUs or driver differ is
+    refused (409, naming the difference and the fix) before anything is fetched or CRIU
+    runs; on a matching node the tree comes back and its GPU memory is resumed."""
+    cluster = Cluster(tmp_path)
+    restore_dir = tmp_path / "restore"
+    await cluster.start(AgentApp__restore_into="agent", AgentApp__restore_dir=str(restore_dir))
+    work = Workload(tmp_path).start()
+    try:
+        before = await work.wait_lines(3)
+        pod = cluster.add_user_pod("alice", work)
+        cid = pod["status"]["containerStatuses"][0]["containerID"].split("://")[1]
+        cluster.tree.add_pod_process(work.pid, pod["metadata"]["uid"], cid)
+        libcuda = FakeLibcuda([work.pid])
+        # a two-GPU H100 node; the server's process holds 2 GiB on GPU 1
+        give_node_gpus(cluster, libcuda, [H100, H100], held={1: {work.pid: 2 << 30}})
+        pvc = tmp_path / "pvc"
+        pvc.mkdir()
+
+        code, body = await call(
+            cluster,
+            "POST",
+            "/v1/checkpoint",
+            {
+                "namespace": "jhub",
+                "pod": "jupyter-alice",
+                "container": "notebook",
+                "target": {"kind": "pvc", "path": str(pvc)},
+            },
+        )
+        assert code == 200, body
+        assert body["gpu_bytes"] == 2 << 30
+        assert body["gpu"] == {"model": H100, "count": 1, "devices": [1], "driver_version": DRIVER}
+        assert libcuda.states[work.pid] == CHECKPOINTED  # GPU memory went to host memory
+        record = json.loads(Path(body["id"]).with_suffix(".json").read_text())
+        assert record["annotations"] == {
+            "org.jupyterhub.gpusnap.gpu-model": H100,
+            "org.jupyterhub.gpusnap.gpu-count": "1",
+            "org.jupyterhub.gpusnap.gpu-devices": "1",
+            "org.jupyterhub.gpusnap.driver-version": DRIVER,
+        }
+        work.stop()  # the Hub deletes the pod; its PID is free for the restore
+        restore = {
+            "namespace": "jhub",
+            "pod": "jupyter-alice",
+            "container": "notebook",
+            "image": body["id"],
+        }
+
+        calls = list(libcuda.calls)
+        for case, (models, driver, words, fixes) in REFUSALS.items():
+            give_node_gpus(cluster, libcuda if models else None, models or [], driver)
+            code, refused = await call(cluster, "POST", "/v1/restore", restore)
+            assert code == 409, (case, refused)
+            assert refused["error"].startswith(
+                f"checkpoint {body['id']} cannot be restored on node {NODE}: "
+            ), case
+            for w in words:
+                assert w in refused["error"], (case, w, refused)
+            for f in fixes:
+                assert f in refused["fix"], (case, f, refused)
+            # refused before fetching or CRIU: no scratch folder, no driver call
+            assert not restore_dir.exists() or list(restore_dir.iterdir()) == [], case
+            assert libcuda.calls == calls, case
+        assert not os.path.exists(f"/proc/{work.pid}")  # nothing was restored
+
+        give_node_gpus(cluster, libcuda, [H100, H100])
+        code, done = await call(cluster, "POST", "/v1/restore", restore)
+        assert code == 200, done
+        restored = done["pid"]
+        assert restored == work.pid
+        # the restored process's GPU memory went back to the GPU and it runs again
+        assert libcuda.calls[len(calls) :] == [("restore", restored), ("unlock", restored)]
+        assert libcuda.states[restored] == RUNNING
+        seen = len(work.lines())
+        after = (await work.wait_lines(seen + 2))[seen:]
+        assert all(secret == before[0][0] for secret, _ in after)
+    finally:
+        for r in cluster.agent._restored:  # criu exits once its restored tree is gone
+            try:
+                os.kill(r.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            r.criu.wait(timeout=30)
+        work.stop()
+        await cluster.stop()
 
 
 # -- the agent signal --------------------------------------------------------------------

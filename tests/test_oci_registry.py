@@ -23,6 +23,7 @@ from tornado.httpclient import AsyncHTTPClient
 
 from jupyterhub_gpusnap.agent.ship import Shipper
 from jupyterhub_gpusnap.checkpoint import oci
+from jupyterhub_gpusnap.checkpoint.gpucompat import GpuNeeds
 
 pytestmark = [pytest.mark.k8s, pytest.mark.criu]
 
@@ -206,6 +207,44 @@ async def test_restore_refuses_an_image_that_is_not_a_checkpoint(tmp_path, regis
             },
         )
         assert code == 502 and "no digest" in body["error"]
+    finally:
+        await cluster.stop()
+
+
+async def test_gpu_image_is_refused_from_its_annotations_before_its_layer_is_pulled(
+    tmp_path, registry
+):
+    """A GPU checkpoint image says what it needs in its manifest annotations; this
+    machine has no GPU, so the agent refuses it after reading only the manifest."""
+    cluster = Cluster(tmp_path)
+    restore_dir = tmp_path / "restore"
+    await cluster.start(AgentApp__restore_into="agent", AgentApp__restore_dir=str(restore_dir))
+    try:
+        archive = tmp_path / "checkpoint.tar"
+        archive.write_bytes(tar_bytes({"checkpoint/inventory.img": b"not really"}))
+        needs = GpuNeeds(
+            holds_gpu=True, model="NVIDIA H100 80GB HBM3", devices=[0], driver_version="580.1"
+        )
+        shipper = Shipper(registry_scheme="http")
+        shipped = await shipper.to_registry(
+            archive, f"{registry.host}/gpusnap/alice", "notebook", "alice/", 1 << 30, 0.0, gpu=needs
+        )
+        client = oci.RegistryClient(registry.host, scheme="http")
+        manifest = await oci.verify_image(client, "gpusnap/alice", shipped.digest)
+        assert manifest["annotations"]["org.jupyterhub.gpusnap.gpu-model"] == needs.model
+        assert manifest["annotations"]["org.jupyterhub.gpusnap.driver-version"] == "580.1"
+        assert await shipper.gpu_needs(shipped.id) == needs
+
+        code, body = await _post(
+            cluster,
+            "/v1/restore",
+            {"namespace": "jhub", "pod": "jupyter-alice", "image": shipped.id},
+        )
+        assert code == 409, body
+        assert "holds GPU memory from NVIDIA H100 80GB HBM3" in body["error"]
+        assert "no usable GPU" in body["error"] and "gpu-node-1" in body["error"]
+        assert body["fix"] == "restore it on a node with that GPU"
+        assert not restore_dir.exists() or list(restore_dir.iterdir()) == []
     finally:
         await cluster.stop()
 

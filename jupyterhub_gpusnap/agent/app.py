@@ -8,8 +8,11 @@ request carries ``Authorization: Bearer <token>``; errors are
 - ``GET /v1/signals?pod=NS/POD…`` → per-pod ``cpu_percent``, ``gpu_percent``,
   ``gpu_memory_bytes``, ``gpu_count``
 - ``POST /v1/checkpoint`` → freeze GPU memory, kubelet checkpoint, ship + verify,
-  delete the node's archive; on failure the GPU is resumed and the container runs on
-- ``POST /v1/restore`` → fetch by digest, unpack, ``criu restore`` into the placeholder
+  delete the node's archive; on failure the GPU is resumed and the container runs on.
+  The image records what its GPU memory needs (GPU model, devices, driver; see
+  :mod:`~jupyterhub_gpusnap.checkpoint.gpucompat`), and so does the reply (``gpu``)
+- ``POST /v1/restore`` → refuse (409) a checkpoint whose GPU memory this node's GPUs
+  or driver cannot take, fetch by digest, unpack, ``criu restore`` into the placeholder
   pod's container (its root, net/ipc/uts namespaces and cgroup), resume GPU memory
 - ``POST /v1/park`` / ``/v1/unpark`` → GPU memory of a pod to host memory and back
 - ``GET /v1/doctor`` → node-side readiness checks
@@ -47,6 +50,7 @@ from .. import __version__
 from ..checkpoint import criu as criu_tools
 from ..checkpoint.base import CheckpointError
 from ..checkpoint.cuda import CudaCheckpoint
+from ..checkpoint.gpucompat import GpuNeeds, gpu_difference
 from ..signals.nvml import Nvml
 from .errors import AgentError, need
 from .handlers import (
@@ -525,6 +529,7 @@ class AgentApp(Application):
         suspended = await self.cuda.suspend(gpu_pids) if gpu_pids else []
         archive: Path | None = None
         try:
+            gpu = await asyncio.to_thread(self._gpu_needs, held, suspended)
             path = await self.kubelet.checkpoint(self.node_name, ns, name, container, timeout)
             archive = Path(self.checkpoint_dir) / Path(path).name
             if not archive.exists():
@@ -536,7 +541,13 @@ class AgentApp(Application):
             created = time.time()
             if target["kind"] == "registry":
                 shipped = await self.shipper.to_registry(
-                    archive, need(target, "repository"), container, server, gpu_bytes, created
+                    archive,
+                    need(target, "repository"),
+                    container,
+                    server,
+                    gpu_bytes,
+                    created,
+                    gpu=gpu,
                 )
             else:
                 folder = Path(need(target, "path"))
@@ -546,7 +557,9 @@ class AgentApp(Application):
                         "use a path listed in AgentApp.pvc_paths",
                         400,
                     )
-                shipped = await self.shipper.to_pvc(archive, folder, server, gpu_bytes, created)
+                shipped = await self.shipper.to_pvc(
+                    archive, folder, server, gpu_bytes, created, gpu=gpu
+                )
         except BaseException as e:
             if suspended:
                 await self.cuda.resume(suspended)
@@ -574,9 +587,79 @@ class AgentApp(Application):
             "digest": shipped.digest,
             "image_bytes": shipped.image_bytes,
             "gpu_bytes": gpu_bytes,
+            "gpu": gpu.as_dict(),
             "status": "verified",
             "node": self.node_name,
         }
+
+    def _gpu_needs(self, held: dict[int, dict[int, int]], suspended: list[int]) -> GpuNeeds:
+        """What restoring the GPU memory of ``suspended`` needs: the model of the GPUs they
+        held memory on (``held``: NVML's ``{device: {pid: bytes}}``), those devices and
+        the driver. Blocking (NVML)."""
+        if not suspended:
+            return GpuNeeds()
+        mine = set(suspended)
+        devices = sorted(d for d, procs in held.items() if mine & set(procs))
+        names = self.nvml.device_names()
+        first = devices[0] if devices else 0
+        return GpuNeeds(
+            holds_gpu=True,
+            model=names[first] if first < len(names) else "",
+            devices=devices,
+            driver_version=self.nvml.driver_version() or self.cuda.driver_version() or "",
+        )
+
+    def gpus_here(self) -> dict:
+        """This node's GPUs as :func:`~jupyterhub_gpusnap.checkpoint.gpucompat.gpu_difference`
+        reads them (``gpu_model``, ``gpu_count``, ``driver_version``; ``error`` without
+        NVML). Blocking (NVML)."""
+        try:
+            if not self.nvml.open():
+                return {"gpu_count": 0, "error": self.nvml.reason or "NVML unavailable"}
+            names = self.nvml.device_names()
+            return {
+                "gpu_model": names[0] if names else "",
+                "gpu_count": len(names),
+                "driver_version": self.nvml.driver_version() or "",
+            }
+        except Exception as e:  # an NVML error: treat as no usable GPU, say why
+            return {"gpu_count": 0, "error": f"{type(e).__name__}: {e}"}
+
+    async def check_gpus(self, image: str) -> GpuNeeds | None:
+        """Refuse (409) a checkpoint whose GPU memory this node cannot restore.
+
+        Reads what ``image`` records (its manifest annotations or PVC record, not the
+        archive) and compares it with this node's GPU model, count and driver, before
+        anything is fetched or CRIU runs: a GPU checkpoint restored elsewhere fails only
+        after CRIU has rebuilt the tree. Returns the needs (None: the image records none).
+        """
+        needs = await self.shipper.gpu_needs(image)
+        if needs is None:
+            self.log.info(
+                "checkpoint %s records no GPU model or driver (taken by an older agent); "
+                "restoring it without the GPU check",
+                image,
+            )
+            return None
+        if not needs.holds_gpu:
+            return needs
+        here = await asyncio.to_thread(self.gpus_here)
+        why, fix = gpu_difference(needs, here, "node")
+        if why:
+            raise AgentError(
+                f"checkpoint {image} cannot be restored on node {self.node_name}: {why}",
+                fix,
+                409,
+            )
+        if not await asyncio.to_thread(self.cuda.available):
+            raise AgentError(
+                f"checkpoint {image} holds GPU memory but node {self.node_name} has no CUDA "
+                f"checkpoint API ({self.cuda.reason})",
+                "expose libcuda.so.1 of NVIDIA driver "
+                f"{needs.driver_version or '>= 570'} to the agent (runtimeClass nvidia)",
+                409,
+            )
+        return needs
 
     async def placeholder(
         self, namespace: str, name: str, container: str, image: str = ""
@@ -659,28 +742,27 @@ class AgentApp(Application):
                 if self.restore_into == "placeholder"
                 else None
             )
+            await self.check_gpus(image)
+            if not criu_tools.find_criu(self.criu_path):
+                raise AgentError(
+                    f"CRIU not found at {self.criu_path}",
+                    "install CRIU >= 4.2 in the agent image and set AgentApp.criu_path",
+                    500,
+                )
             images = await self.shipper.fetch(image, scratch)
             extra = list(self.criu_restore_args)
-            criu = self.criu_path
             if target is not None:
                 extra += target.criu_args()
-                binary = criu_tools.find_criu(self.criu_path)
-                if not binary:
-                    raise AgentError(
-                        f"CRIU not found at {self.criu_path}",
-                        "install CRIU >= 4.2 in the agent image and set AgentApp.criu_path",
-                        500,
-                    )
-                criu = str(target.launcher(scratch, binary))
             elif self.restore_root:
                 extra += ["--root", self.restore_root]
             try:
                 restored = await criu_tools.restore(
                     images,
                     scratch / "restore.pid",
-                    criu=criu,
+                    criu=self.criu_path,
                     extra=extra,
                     timeout=self.restore_timeout,
+                    cgroup=target.cgroup if target is not None else None,
                 )
             except CheckpointError as e:
                 raise AgentError(

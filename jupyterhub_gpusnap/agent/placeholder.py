@@ -10,8 +10,9 @@ see :mod:`.pods`) and runs ``criu restore`` so that the restored tree
   (``ipc``, ``uts``), so the server answers on the pod IP the Hub and proxy know;
 - lives in the container's cgroup, so the pod's memory/CPU limits apply, its memory is
   charged to the pod, and deleting the pod stops it. ``criu restore`` itself is started
-  inside that cgroup (like runc does for container restores), so every restored task is
-  born there; ``--manage-cgroups=ignore`` keeps CRIU from recreating the checkpointed
+  inside that cgroup (like runc does for container restores; ``criu.restore(cgroup=…)``
+  writes the child into ``cgroup.procs`` before it execs criu), so every restored task
+  is born there; ``--manage-cgroups=ignore`` keeps CRIU from recreating the checkpointed
   container's old cgroup paths. Any task found outside afterwards is moved in.
 
 CRIU cannot join a PID namespace: the restored tree keeps host PIDs outside the
@@ -21,7 +22,6 @@ container's PID namespace (``kubectl exec … ps`` does not list it).
 from __future__ import annotations
 
 import os
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -124,23 +124,6 @@ class Placeholder:
         for ns in self.namespaces:
             args += ["--join-ns", f"{ns}:{proc / 'ns' / ns}"]
         return args
-
-    def launcher(self, folder: Path, criu: str) -> Path:
-        """A script that enters the container's cgroup, then execs ``criu`` with its arguments.
-
-        The restored tree is forked by criu, so it is born in (and its memory charged to)
-        the pod's cgroup rather than the agent's.
-        """
-        script = folder / "criu-in-cgroup.sh"
-        procs = self.cgroup / "cgroup.procs"
-        script.write_text(
-            "#!/bin/sh\n"
-            "# enter the placeholder container's cgroup, then become criu\n"
-            f"echo $$ > {shlex.quote(str(procs))} || exit 97\n"
-            f'exec {shlex.quote(criu)} "$@"\n'
-        )
-        script.chmod(0o700)
-        return script
 
     def adopt(self, pids: list[int]) -> list[int]:
         """Move any of ``pids`` not in the container's cgroup into it; return those moved."""

@@ -22,6 +22,7 @@ from traitlets import Integer, Unicode
 from traitlets.config import LoggingConfigurable
 
 from ..checkpoint import oci
+from ..checkpoint.gpucompat import GpuNeeds
 from .errors import AgentError
 
 
@@ -125,14 +126,21 @@ class Shipper(LoggingConfigurable):
         server: str,
         gpu_bytes: int,
         created: float,
+        gpu: GpuNeeds | None = None,
     ) -> Shipped:
-        """Push ``archive`` as a checkpoint image under ``repository`` and verify it."""
+        """Push ``archive`` as a checkpoint image under ``repository`` and verify it.
+
+        ``gpu``: what the checkpoint's GPU memory needs, written as manifest annotations
+        (:mod:`~jupyterhub_gpusnap.checkpoint.gpucompat`) that :meth:`gpu_needs` reads back.
+        """
         try:
             ref = oci.ImageRef.parse(repository)
         except ValueError as e:
             raise AgentError(str(e), "set target.repository to host[:port]/path", 400) from e
         client = self.client(ref.registry)
-        annotations = oci.checkpoint_annotations(container, server, gpu_bytes, created)
+        annotations = oci.checkpoint_annotations(
+            container, server, gpu_bytes, created, extra=(gpu or GpuNeeds()).annotations()
+        )
         try:
             pushed = await oci.push_archive(
                 client,
@@ -148,9 +156,19 @@ class Shipper(LoggingConfigurable):
         return Shipped(pushed.ref, pushed.digest, pushed.image_bytes, ref.repository)
 
     async def to_pvc(
-        self, archive: Path, folder: Path, server: str, gpu_bytes: int, created: float
+        self,
+        archive: Path,
+        folder: Path,
+        server: str,
+        gpu_bytes: int,
+        created: float,
+        gpu: GpuNeeds | None = None,
     ) -> Shipped:
-        """Copy ``archive`` into ``folder`` (a mounted PVC), fsync, re-read and compare digests."""
+        """Copy ``archive`` into ``folder`` (a mounted PVC), fsync, re-read and compare digests.
+
+        The JSON record next to it holds the digest and, under ``annotations``, the same
+        GPU annotations a registry image carries (``gpu``).
+        """
         if not folder.is_dir():
             raise AgentError(
                 f"PVC path {folder} is not a folder on this node",
@@ -182,6 +200,7 @@ class Shipper(LoggingConfigurable):
                         "server": server,
                         "gpu_bytes": gpu_bytes,
                         "created": created,
+                        "annotations": (gpu or GpuNeeds()).annotations(),
                     }
                 )
             )
@@ -196,6 +215,47 @@ class Shipper(LoggingConfigurable):
             partial.unlink(missing_ok=True)
             raise
         return Shipped(str(dest), digest, size, str(folder))
+
+    async def gpu_needs(self, image: str) -> GpuNeeds | None:
+        """What checkpoint ``image`` records of its GPU state, read without fetching it: the
+        registry manifest's annotations (checked against the digest) or the PVC record.
+        None when the image records nothing about GPUs (taken by an older agent)."""
+        if image.startswith("/"):
+            record = Path(image).with_suffix(".json")
+            try:
+                annotations = json.loads(record.read_text()).get("annotations") or {}
+            except (OSError, ValueError, AttributeError) as e:
+                raise AgentError(
+                    f"cannot read checkpoint {image}: {e}",
+                    "mount the snapshot PVC into the agent pod at the same path",
+                    404,
+                ) from e
+            return GpuNeeds.from_annotations(annotations)
+        try:
+            ref = oci.ImageRef.parse(image)
+        except ValueError as e:
+            raise AgentError(str(e), "pass the image as host/path@sha256:…", 400) from e
+        if not ref.digest:
+            return None  # fetch() refuses it, naming the fix
+        try:
+            raw, got = await self.client(ref.registry).get_manifest(ref.name, ref.digest)
+        except oci.RegistryError as e:
+            raise AgentError(
+                f"reading checkpoint {image} failed: {e}", _registry_fix(e), 502
+            ) from e
+        if got != ref.digest:
+            raise AgentError(
+                f"manifest of {image} reads back as {got}",
+                "the registry returned another image: check the registry",
+                502,
+            )
+        try:
+            annotations = json.loads(raw).get("annotations") or {}
+        except (ValueError, AttributeError) as e:
+            raise AgentError(
+                f"manifest of {image} is not JSON: {e}", "the image is not a checkpoint image", 422
+            ) from e
+        return GpuNeeds.from_annotations(annotations)
 
     async def fetch(self, image: str, dest: Path) -> Path:
         """Fetch a checkpoint (``repo@sha256:…`` or a PVC path), verify it, unpack it; return the images dir."""

@@ -204,10 +204,15 @@ async def restore(
     extra: list[str] | tuple[str, ...] = (),
     log_name: str | None = None,
     timeout: float = 600,
+    cgroup: Path | str | None = None,
 ) -> Restored:
     """Restore the tree in ``directory``; return once it runs, with its root's host pid.
 
     ``criu restore`` keeps running as the tree's parent (see the module docstring).
+    ``cgroup``: a cgroup v2 folder that ``criu restore`` is started in (the child writes
+    its pid into ``<cgroup>/cgroup.procs`` before it execs criu), so every restored task
+    is born there and its memory is charged there; pass ``--manage-cgroups=ignore`` in
+    ``extra`` to keep CRIU from moving tasks back to the checkpointed cgroups.
     Raises :class:`CheckpointError` with the log tail when the restore fails.
     """
     binary = find_criu(criu)
@@ -225,16 +230,29 @@ async def restore(
     if shell_job:
         args.append("--shell-job")
     args += list(extra)
+    enter = None
+    if cgroup is not None:
+        procs = Path(cgroup) / "cgroup.procs"
+        if not os.access(procs, os.W_OK):
+            raise CheckpointError(
+                f"cannot start criu restore in cgroup {cgroup}: {procs} is not writable; "
+                "mount the cgroup v2 hierarchy read-write and run as root"
+            )
+        enter = _enter_cgroup(str(procs))
     # Popen, not an asyncio subprocess: an asyncio transport kills its child when it is
     # closed or collected, and this child must outlive the caller's event loop.
-    proc = subprocess.Popen(
-        args,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-        close_fds=True,
-    )
+    try:
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+            preexec_fn=enter,
+        )
+    except subprocess.SubprocessError as e:  # the preexec_fn failed: nothing was started
+        raise CheckpointError(f"cannot start criu restore in cgroup {cgroup}: {e}") from e
     log = directory / log_name
     deadline = time.monotonic() + timeout
     while True:
@@ -253,6 +271,23 @@ async def restore(
                 f"criu restore from {directory} took longer than {timeout:g}s and was stopped; log {log}"
             )
         await asyncio.sleep(0.02)
+
+
+def _enter_cgroup(procs: str):
+    """A ``preexec_fn`` that moves the forked child into the cgroup owning ``procs``.
+
+    Runs between fork and exec: only a raw write of ``0`` (the writer itself).
+    """
+    data = b"0"
+
+    def enter() -> None:
+        fd = os.open(procs, os.O_WRONLY)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
+    return enter
 
 
 def _finished(log: Path) -> bool:
