@@ -274,11 +274,7 @@ class SnapSpawnerMixin(LocalProcessSpawner):
         info = await self.backend.latest(self.user.name, self.name)
         if info is None:
             if self.snapshot:
-                self.log.info(
-                    "%s: checkpoint %s is gone; starting fresh",
-                    self.server_key,
-                    self.snapshot.get("id"),
-                )
+                self._snapshot_gone()
             self.snapshot = {}
             return None
         if self.snapshot.get("id") != info.id:
@@ -289,6 +285,29 @@ class SnapSpawnerMixin(LocalProcessSpawner):
             )  # fmt: skip
             return None
         return info
+
+    def _snapshot_gone(self) -> None:
+        """The checkpoint this server's stop recorded can no longer be read (its manifest was
+        deleted, or its folder): say so, and leave whatever is left of it for the admin."""
+        cid = self.snapshot.get("id", "")
+        where = ""
+        folder = getattr(self.backend, "folder", None)
+        if folder is not None and cid:
+            try:
+                where = f" in {folder(cid)}"
+            except Exception:
+                where = ""
+        self.log.warning(
+            "%s: checkpoint %s is gone or has no readable manifest.json; starting a fresh server. "
+            "Any files left of it stay%s for recovery by hand (docs/operations.md)",
+            self.server_key, cid, where,
+        )  # fmt: skip
+        when = self.snapshot.get("created_utc") or "your last suspension"
+        self._emit(
+            f"your snapshot from {when} could not be found; starting a fresh server "
+            "(your admin may still recover it by hand)",
+            10,
+        )
 
     async def _restore(self, info: CheckpointInfo) -> tuple[str, int]:
         t0 = time.monotonic()

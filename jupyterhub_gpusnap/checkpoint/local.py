@@ -791,6 +791,15 @@ class LocalBackend(CheckpointBackend):
                 await self.cuda().resume(cuda_pids)
             except Exception as e:
                 why += f"; resuming GPU memory failed too: {e}"
+        if _disk_full(why):
+            # A half-written image is of no use (the server runs on) and keeps every other
+            # suspension from fitting: give the space back, keep the logs and the manifest.
+            freed = await asyncio.to_thread(_drop_image_files, folder)
+            why += (
+                f"; the disk holding {self.root} is full: the partial image "
+                f"({freed / 2**20:.1f} MiB) was deleted. Free space there, move "
+                "LocalBackend.checkpoint_dir, or lower keep_last/max_age_days"
+            )
         m.status = "failed"
         m.error = why
         try:
@@ -946,7 +955,12 @@ class LocalBackend(CheckpointBackend):
         return keep
 
     async def apply_retention(self) -> list[str]:
-        """Delete what ``keep_last``/``max_age_days`` allow; never a suspended server's image."""
+        """Delete what ``keep_last``/``max_age_days`` allow; never a suspended server's image.
+
+        First resolves checkpoints left ``writing`` that no checkpoint of this process is
+        writing (e.g. a failure that could not be recorded on a full disk): see recover().
+        """
+        await self.recover()
         found = self._load_all()
         protected = self._protected(found)
         now = time.time()
@@ -1181,6 +1195,8 @@ class LocalBackend(CheckpointBackend):
             if m.status != "writing":
                 continue
             key = server_key(m.user, m.server)
+            if key in self._active:  # being written by this process right now
+                continue
             tree = [p for p in (m.extra.get("tree") or [m.pid]) if is_alive(p)]
             root_alive = is_alive(m.pid)
             frozen = root_alive and is_frozen(m.pid)
@@ -1214,6 +1230,23 @@ class LocalBackend(CheckpointBackend):
                 )
             done.append(self._id(folder))
         return done
+
+
+def _disk_full(why: str) -> bool:
+    """True if a failure's text says the disk (or the quota) is full."""
+    return "No space left on device" in why or "Disk quota exceeded" in why
+
+
+def _drop_image_files(folder: Path) -> int:
+    """Delete a failed checkpoint's image files (not its logs or manifest); the bytes freed."""
+    freed = 0
+    for path in image_files(folder):
+        try:
+            freed += path.stat().st_size
+            path.unlink()
+        except OSError:
+            continue
+    return freed
 
 
 def _dump_finished(folder: Path) -> bool:

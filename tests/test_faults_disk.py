@@ -1,0 +1,243 @@
+"""Fault: the disk fills up while a server is being checkpointed.
+
+``checkpoint_dir`` is a real, small filesystem (a 48 MiB tmpfs mounted for the test). The
+server is a real process tree in its own PID namespace. It is small when the backend
+estimates the image size (the preflight passes), and grows by 96 MiB at CRIU's
+``pre-dump`` action, after the estimate and before its memory is read: CRIU runs out of
+space half-way through the image. The suspension goes through the service's real
+watcher (store, events, metrics) and the real LocalBackend with real CRIU.
+
+Afterwards the server runs on with the same memory, the checkpoint is ``failed`` with a
+reason that names the full disk, the watcher's state, events and metrics say so, nothing
+half-written counts as verified, and once the service's next loop ran, the space is given
+back and the next suspension succeeds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from realhub import free_port
+
+from jupyterhub_gpusnap import metrics
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend, is_alive, is_frozen
+from jupyterhub_gpusnap.checkpoint.manifest import MANIFEST, Manifest
+from jupyterhub_gpusnap.model import Server, State
+from jupyterhub_gpusnap.policy import Policy, Rule
+from jupyterhub_gpusnap.store import Store
+from jupyterhub_gpusnap.watcher import Watcher
+
+pytestmark = [pytest.mark.faults, pytest.mark.criu]
+
+DISK_MIB = 48
+GROW_MIB = 96
+
+# A server holding state in memory that can grow ("alloc N" MiB) and shrink ("free").
+PROGRAM = r"""
+import json, os, socket, sys
+port = int(sys.argv[1])
+state = {"count": 0, "secret": os.urandom(8).hex()}
+ballast = []
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", port))
+s.listen(8)
+print("ready", flush=True)
+while True:
+    c, _ = s.accept()
+    cmd = c.recv(100).decode().split()
+    if cmd[0] == "inc":
+        state["count"] += 1
+    elif cmd[0] == "alloc":
+        ballast.append(bytes([0x5A]) * (int(cmd[1]) << 20))
+    elif cmd[0] == "free":
+        ballast.clear()
+    c.sendall(json.dumps(dict(state, pid=os.getpid(), ballast=sum(map(len, ballast)))).encode())
+    c.close()
+"""
+
+
+class GrowingServer:
+    """The program above as the init of its own PID namespace (as the spawner runs servers)."""
+
+    def __init__(self, root: Path):
+        root.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.out = root / "stdout.log"
+        script = root / "server.py"
+        script.write_text(PROGRAM)
+        with open(self.out, "ab") as out:
+            self.proc = subprocess.Popen(
+                [
+                    "unshare",
+                    "--pid",
+                    "--fork",
+                    "setsid",
+                    sys.executable,
+                    str(script),
+                    str(self.port),
+                ],
+                stdout=out,
+                stderr=out,
+                stdin=subprocess.DEVNULL,
+            )
+        self.pid = 0
+
+    async def wait_ready(self, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while b"ready" not in self.out.read_bytes():
+            assert time.monotonic() < deadline, self.out.read_text()
+            await asyncio.sleep(0.05)
+        self.pid = psutil.Process(self.proc.pid).children()[0].pid
+
+    async def ask(self, cmd: str = "get", timeout: float = 20) -> dict:
+        async def go():
+            r, w = await asyncio.open_connection("127.0.0.1", self.port)
+            w.write(cmd.encode())
+            await w.drain()
+            data = await r.read()
+            w.close()
+            return json.loads(data)
+
+        return await asyncio.wait_for(go(), timeout)
+
+    def kill(self) -> None:
+        try:
+            pids = [self.pid] + [c.pid for c in psutil.Process(self.pid).children(recursive=True)]
+        except psutil.Error:
+            pids = [self.pid] if self.pid else []
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 48 MiB filesystem (tmpfs) for checkpoint_dir; unmounted at teardown."""
+    path = tmp_path / "small-disk"
+    path.mkdir()
+    subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={DISK_MIB}m,mode=0700", "tmpfs", str(path)],
+        check=True,
+    )
+    yield path
+    # a restored tree's criu may take a moment to exit after the tree is killed
+    for _ in range(100):
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode == 0:
+            return
+        time.sleep(0.1)
+    subprocess.run(["umount", "--lazy", str(path)], check=True)
+
+
+@pytest.fixture
+async def server(tmp_path):
+    s = GrowingServer(tmp_path / "server")
+    await s.wait_ready()
+    yield s
+    s.kill()
+
+
+def grow_at_pre_dump(tmp_path: Path, port: int) -> str:
+    """A CRIU action script: at pre-dump (the tree still runs), the server grows by GROW_MIB."""
+    hook = tmp_path / "grow.sh"
+    ask = (
+        f"import socket; c = socket.create_connection(('127.0.0.1', {port}), timeout=20); "
+        f"c.sendall(b'alloc {GROW_MIB}'); c.recv(4096)"
+    )
+    hook.write_text(
+        '#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = pre-dump ] || exit 0\n'
+        f'exec {sys.executable} -c "{ask}"\n'
+    )
+    hook.chmod(0o700)
+    return str(hook)
+
+
+def counter(name: str, **labels: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def test_disk_full_during_a_dump(small_disk, server, tmp_path):
+    before = await server.ask("inc")
+    backend = LocalBackend(
+        checkpoint_dir=str(small_disk / "checkpoints"),
+        min_free_bytes=0,
+        dump_extra_args=["--action-script", grow_at_pre_dump(tmp_path, server.port)],
+    )
+    store = Store(f"sqlite:///{tmp_path / 'gpusnap.sqlite'}")
+    rule = Rule(name="default", idle_window=3600, warn_before=0, min_running=0)
+    watcher = Watcher(
+        hub=None,  # never reached: a failed checkpoint stops nothing
+        store=store,
+        policy=Policy(rules=[], default=rule),
+        sources=[],
+        backend=backend,
+    )
+    alice = Server(user="alice", name="", state={"pid": server.pid})
+    failed_before = counter("gpusnap_failures_total", kind="suspend")
+    actions_before = counter("gpusnap_actions_total", action="suspend", result="failed")
+    try:
+        # the preflight passes: the estimate fits the disk
+        await backend.check(alice)
+        await watcher.start_suspend(alice, reason="idle")
+
+        # the server goes on, with the same memory, no longer frozen
+        assert is_alive(server.pid) and not is_frozen(server.pid)
+        after = await server.ask("inc")
+        assert after["secret"] == before["secret"] and after["count"] == before["count"] + 1
+        assert after["ballast"] == GROW_MIB << 20  # it did grow during the dump
+
+        # the checkpoint is failed, and says the disk is full
+        (found,) = await backend.list()
+        assert found.status == "failed", found
+        assert "No space left on device" in found.error or "full" in found.error, found.error
+        assert str(backend.root) in found.error, found.error  # names where to make room
+        assert await backend.latest("alice", "") is None
+        # nothing left "being written": the spawner's stop and start do not wait for it
+        assert await backend.writing("alice", "") is None
+        for manifest in backend.root.rglob(MANIFEST):
+            assert Manifest.load(manifest.parent).status != "verified"
+
+        # the watcher recorded it: state, event, metrics
+        status = store.get("alice/")
+        assert status.state == State.failed and "No space left on device" in status.failure, status
+        (event,) = [e for e in store.events("alice/") if e["kind"] == "suspend_failed"]
+        assert "No space left on device" in event["detail"]["error"]
+        assert counter("gpusnap_failures_total", kind="suspend") == failed_before + 1
+        assert (
+            counter("gpusnap_actions_total", action="suspend", result="failed")
+            == actions_before + 1
+        )
+
+        # the service's next loop (retention) leaves nothing half-done and gives the space back
+        await backend.apply_retention()
+        assert not list(backend.root.rglob("*.img")), (
+            "a failed, half-written image still fills the disk"
+        )
+        assert shutil.disk_usage(small_disk).free > (DISK_MIB - 4) << 20
+
+        # with room again (the server gives its memory back), the next suspension succeeds
+        await server.ask("free")
+        backend.dump_extra_args = []
+        info = await backend.checkpoint(alice)
+        assert info.status == "verified"
+        assert not is_alive(server.pid)
+        pid, _, _ = await backend.restore(info)
+        server.pid = pid
+        back = await server.ask("get")
+        assert back["secret"] == before["secret"] and back["count"] == after["count"]
+    finally:
+        store.close()
