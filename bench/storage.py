@@ -132,12 +132,16 @@ async def main(gib: float, kinds: list[str], root: Path, level: int) -> None:
     rows = []
     how = {}
     for kind in kinds:
+        print(f"{kind}: starting a holder of {gib:g} GiB", flush=True)
         h = Holder(kind, gib, 1, root)
         how[kind] = h.how
         base = {"kind": kind, "gib": gib}
         got = [dict(base, mode="files", **await cycle(files, h, kind))]
+        print(f"{kind}: {got[-1]}", flush=True)
         got.append(dict(base, mode="chunks", **await cycle(chunks, h, kind)))
+        print(f"{kind}: {got[-1]}", flush=True)
         got.append(dict(base, mode="chunks, again", **await cycle(chunks, h, kind)))
+        print(f"{kind}: {got[-1]}", flush=True)
         kill(h.pid)
         if kind == "weights":
             for user in (2, 3):
