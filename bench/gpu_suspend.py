@@ -198,7 +198,10 @@ async def bare(gib: float, root: Path, criu: str, gpus: int = 1) -> dict:
 def median(values: list[float]) -> float:
     v = sorted(values)
     mid = len(v) // 2
-    return v[mid] if len(v) % 2 else round((v[mid - 1] + v[mid]) / 2, 3)
+    if len(v) % 2:
+        return v[mid]
+    m = (v[mid - 1] + v[mid]) / 2
+    return round(m) if all(isinstance(x, int) for x in v) else round(m, 3)
 
 
 async def one_run(gib: float, root: Path, backend: LocalBackend, criu: str, gpus: int, bare_first: bool) -> dict:
