@@ -697,3 +697,42 @@ async def test_console_entry_point_serves_the_api(cluster, tmp_path):
     finally:
         proc.terminate()
         await proc.wait()
+
+
+# -- park through the agent (the service on Kubernetes) -----------------------------------
+
+
+async def test_backend_parks_and_unparks_a_pods_gpu_memory_through_the_agent(tmp_path):
+    """The service parks a server on Kubernetes by asking the agent on its node: the
+    agent locks and checkpoints only the processes holding GPU memory (wire-level driver
+    and NVML fakes), refuses with 'busy' while a cell runs, and unparks on request."""
+    cluster = Cluster(tmp_path)
+    await cluster.start()
+    work = Workload(tmp_path).start()
+    try:
+        await work.wait_lines(1)
+        pod = cluster.add_user_pod("alice", work)
+        cid = pod["status"]["containerStatuses"][0]["containerID"].split("://")[1]
+        cluster.tree.add_pod_process(work.pid, pod["metadata"]["uid"], cid)
+        libcuda = FakeLibcuda([work.pid])
+        give_node_gpus(cluster, libcuda, [H100], held={0: {work.pid: 3 << 30}})
+        backend = KubernetesBackend(config=cluster.hub_config())
+
+        libcuda.busy.add(work.pid)  # a cell is running on the GPU
+        with pytest.raises(CheckpointRefused, match="park refused") as refused:
+            await backend.park(alice())
+        assert refused.value.retry and libcuda.states[work.pid] == RUNNING
+        libcuda.busy.discard(work.pid)
+
+        parked = await backend.park(alice())
+        assert parked.pids == [work.pid] and parked.bytes_moved == 3 << 30
+        assert libcuda.states[work.pid] == CHECKPOINTED
+        again = await backend.park(alice())  # idempotent
+        assert libcuda.states[work.pid] == CHECKPOINTED and again.pids == [work.pid]
+
+        back = await backend.park(alice(), unpark=True)
+        assert back.pids == [work.pid] and libcuda.states[work.pid] == RUNNING
+        assert work.alive()
+    finally:
+        work.stop()
+        await cluster.stop()

@@ -48,9 +48,12 @@ from traitlets.config import Application
 
 from .. import __version__
 from ..checkpoint import criu as criu_tools
-from ..checkpoint.base import CheckpointError
+from ..checkpoint.base import CheckpointError, CheckpointRefused
 from ..checkpoint.cuda import CudaCheckpoint
 from ..checkpoint.gpucompat import GpuNeeds, gpu_difference
+from ..park import Parking
+from ..park import park as park_pids
+from ..park import unpark as unpark_pids
 from ..signals.nvml import Nvml
 from .errors import AgentError, need
 from .handlers import (
@@ -806,6 +809,9 @@ class AgentApp(Application):
             self._busy.pop(key, None)
 
     async def park(self, body: dict, resume: bool) -> dict:
+        """Park (or unpark) a pod's GPU memory with the same code the service uses on one
+        machine (:mod:`jupyterhub_gpusnap.park`): host-memory headroom checked first, only
+        processes holding GPU memory locked, 409 when the GPU is busy or RAM is short."""
         ns, name = need(body, "namespace"), need(body, "pod")
         if not await asyncio.to_thread(self.cuda.available):
             raise AgentError(
@@ -816,16 +822,24 @@ class AgentApp(Application):
         pod = await self.pod_on_node(ns, name)
         procs = (await asyncio.to_thread(self.mapper.scan)).get(pod["metadata"]["uid"])
         pids = procs.pids if procs else []
-        started = time.monotonic()
-        if resume:
-            done = await self.cuda.resume(pids)
-            held = await asyncio.to_thread(self.nvml.process_memory, done) if done else {}
-            nbytes = sum(sum(d.values()) for d in held.values())
-        else:
-            held = await asyncio.to_thread(self.nvml.process_memory, pids) if pids else {}
-            nbytes = sum(sum(d.values()) for d in held.values())
-            done = await self.cuda.suspend(sorted({p for d in held.values() for p in d}))
-        return {"pids": done, "bytes": nbytes, "seconds": round(time.monotonic() - started, 3)}
+        settings = Parking(parent=self, cuda=self.cuda)
+        try:
+            if resume:
+                result = await unpark_pids(pids, self.cuda)
+            else:
+                result = await park_pids(
+                    pids, self.cuda, settings.lock_timeout_ms, settings.host_memory_margin
+                )
+        except CheckpointRefused as e:
+            raise AgentError(
+                f"{ns}/{name}: {e}",
+                "nothing changed; try again later (a cell is running on the GPU, or host RAM "
+                "is short: see Parking.host_memory_margin)",
+                409,
+            ) from e
+        except CheckpointError as e:
+            raise AgentError(f"{ns}/{name}: {e}", "see the agent's log", 500) from e
+        return {"pids": result.pids, "bytes": result.bytes_moved, "seconds": round(result.seconds, 3)}
 
     async def doctor(self) -> dict:
         checks = []

@@ -358,6 +358,34 @@ class KubernetesBackend(CheckpointBackend):
             if e.code != 409:  # 409: no CUDA on that node, nothing was parked
                 self.log.warning("unpark of %s/%s failed: %s", namespace, pod, e)
 
+    async def park(self, server: Server, unpark: bool = False):
+        """Park (or unpark) ``server``'s GPU memory through the agent on its pod's node;
+        a :class:`~jupyterhub_gpusnap.park.ParkResult`. Raises :class:`CheckpointRefused`
+        when the agent declines (GPU busy, host RAM short, no CUDA on the node: 409) and
+        :class:`CheckpointError` otherwise."""
+        from ..park import ParkResult
+
+        namespace, pod = self.locator.pod_of(server)
+        try:
+            node = await self.locator.node_of(namespace, pod)
+            base = await self.locator.agent_url(node)
+            result = await self.locator.call(
+                base,
+                "POST",
+                "/v1/unpark" if unpark else "/v1/park",
+                {"namespace": namespace, "pod": pod},
+            )
+        except AgentError as e:
+            action = "unpark" if unpark else "park"
+            if e.code == 409:
+                raise CheckpointRefused(f"{server.key}: {action} refused: {e}", retry=True) from e
+            raise CheckpointError(f"{server.key}: {action} failed: {e}. Fix: {e.fix}") from e
+        return ParkResult(
+            pids=list(result.get("pids", [])),
+            bytes_moved=int(result.get("bytes", 0)),
+            seconds=float(result.get("seconds", 0.0)),
+        )
+
     async def restore(self, info: CheckpointInfo, namespace: str, pod: str) -> int:
         """Ask the agent on ``pod``'s node to restore ``info`` into it; return the restored PID."""
         node = await self.locator.node_of(namespace, pod)
