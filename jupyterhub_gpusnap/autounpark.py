@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import datetime, timezone
 
 from traitlets import Float
 from traitlets.config import LoggingConfigurable
@@ -21,6 +22,13 @@ from traitlets.config import LoggingConfigurable
 from .procs import tree_pids
 
 PARKED_STATES = ("checkpointed", "locked")
+
+
+def _iso(ts: float | None) -> str | None:
+    """Epoch seconds as the service writes times: ISO 8601, UTC, with a Z."""
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def kernel_pid(kernel) -> int | None:
@@ -50,8 +58,28 @@ class AutoUnpark(LoggingConfigurable):
 
             cuda = CudaCheckpoint(parent=self)
         self.cuda = cuda
-        self.unparks: list[dict] = []  # recent unparks: kernel, seconds, at (shown by the Lab panel)
+        self.unparks: list[
+            dict
+        ] = []  # recent unparks: kernel, seconds, at (shown by the Lab panel)
+        self.resuming: dict[str, float] = {}  # kernel id -> when its unpark started (epoch s)
         self._task: asyncio.Task | None = None
+
+    def state(self) -> dict:
+        """What the Lab panel shows of automatic unparks (``GET /gpusnap/autounpark``).
+
+        ``watching`` is false where there is no CUDA checkpoint API (nothing is ever parked
+        there). ``resuming`` is true while an unpark runs (from the kernel going busy until its GPU
+        memory is back and unlocked); ``resuming_since`` is when the oldest running one
+        started; ``last_unpark`` is the newest finished one (``at`` is when it ended).
+        """
+        last = self.unparks[-1] if self.unparks else None
+        return {
+            "watching": self._task is not None,
+            "resuming": bool(self.resuming),
+            "resuming_since": _iso(min(self.resuming.values())) if self.resuming else None,
+            "resuming_kernels": sorted(self.resuming),
+            "last_unpark": dict(last, at=_iso(last["at"])) if last else None,
+        }
 
     def parked_pids(self, pid: int) -> list[int]:
         return [p for p in tree_pids(pid) if self.cuda.state(p) in PARKED_STATES]
@@ -81,11 +109,21 @@ class AutoUnpark(LoggingConfigurable):
             if not pids:
                 continue
             t0 = time.perf_counter()
-            resumed = await self.cuda.resume(pids)
+            self.resuming[kid] = time.time()
+            try:
+                resumed = await self.cuda.resume(pids)
+            finally:
+                self.resuming.pop(kid, None)
             seconds = time.perf_counter() - t0
-            self.log.info("gpusnap: kernel %s went busy while parked; GPU memory back in %.2fs (pids %s)",
-                          kid, seconds, resumed)
-            self.unparks = (self.unparks + [{"kernel": kid, "seconds": round(seconds, 3), "at": time.time()}])[-10:]
+            self.log.info(
+                "gpusnap: kernel %s went busy while parked; GPU memory back in %.2fs (pids %s)",
+                kid,
+                seconds,
+                resumed,
+            )
+            self.unparks = (
+                self.unparks + [{"kernel": kid, "seconds": round(seconds, 3), "at": time.time()}]
+            )[-10:]
             done.append(kid)
         return done
 

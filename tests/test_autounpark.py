@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
+from datetime import datetime
 
+import pytest
 from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
 from test_cuda_absent import CHECKPOINTED, LOCKED, RUNNING, FakeLibcuda
 
 from jupyterhub_gpusnap.autounpark import AutoUnpark, kernel_pid
+from jupyterhub_gpusnap.checkpoint import CheckpointError
 from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
 
 log = logging.getLogger("test")
@@ -62,3 +67,80 @@ async def test_without_a_driver_nothing_runs(tmp_path):
     watcher.start()
     assert watcher._task is None
     assert watcher.parked_kernels() == {}
+
+
+class SlowRestoreLibcuda(FakeLibcuda):
+    """The fake driver, whose restore of GPU memory waits until ``go`` is set (a big restore)."""
+
+    def __init__(self, pids):
+        super().__init__(pids)
+        self.go = threading.Event()
+        self.restoring = threading.Event()
+
+    def cuCheckpointProcessRestore(self, pid, ref):
+        self.restoring.set()
+        self.go.wait(30)
+        return super().cuCheckpointProcessRestore(pid, ref)
+
+
+async def test_the_state_says_resuming_while_an_unpark_runs(tmp_path):
+    km = AsyncMappingKernelManager(root_dir=str(tmp_path))
+    kid = await km.start_kernel()
+    driver = None
+    try:
+        pid = kernel_pid(km.get_kernel(kid))
+        driver = SlowRestoreLibcuda([pid])
+        driver.states[pid] = CHECKPOINTED
+        watcher = AutoUnpark(km, cuda=CudaCheckpoint(driver=driver, log=log), log=log)
+        state = watcher.state()
+        assert state["resuming"] is False and state["last_unpark"] is None
+        assert state["watching"] is False  # not started: check_once is driven by the test
+
+        client = km.get_kernel(kid).client()
+        client.start_channels()
+        client.execute("import time; time.sleep(5)")
+        await wait_state(km, kid, "busy")
+        before = time.time()
+        check = asyncio.ensure_future(watcher.check_once())
+        while not driver.restoring.is_set():
+            await asyncio.sleep(0.01)
+        state = watcher.state()
+        assert state["resuming"] is True and state["resuming_kernels"] == [kid]
+        since = datetime.fromisoformat(state["resuming_since"].replace("Z", "+00:00")).timestamp()
+        assert before - 1 <= since <= time.time()
+        assert state["resuming_since"].endswith("Z")
+
+        driver.go.set()
+        assert await check == [kid]
+        state = watcher.state()
+        assert state["resuming"] is False and state["resuming_kernels"] == []
+        assert state["resuming_since"] is None
+        assert state["last_unpark"]["kernel"] == kid and state["last_unpark"]["at"].endswith("Z")
+        assert driver.states[pid] == RUNNING
+        client.stop_channels()
+    finally:
+        if driver is not None:
+            driver.go.set()
+        await km.shutdown_all()
+
+
+async def test_a_failed_unpark_does_not_stay_resuming(tmp_path):
+    km = AsyncMappingKernelManager(root_dir=str(tmp_path))
+    kid = await km.start_kernel()
+    try:
+        pid = kernel_pid(km.get_kernel(kid))
+        driver = FakeLibcuda([pid])
+        driver.states[pid] = CHECKPOINTED
+        driver.fail_restore.add(pid)  # no room on the GPU: the driver refuses
+        watcher = AutoUnpark(km, cuda=CudaCheckpoint(driver=driver, log=log), log=log)
+        client = km.get_kernel(kid).client()
+        client.start_channels()
+        client.execute("import time; time.sleep(5)")
+        await wait_state(km, kid, "busy")
+        with pytest.raises(CheckpointError, match="host RAM"):
+            await watcher.check_once()  # run() logs it and tries again on its next look
+        assert watcher.state()["resuming"] is False
+        assert driver.states[pid] == CHECKPOINTED  # still parked, data safe in host RAM
+        client.stop_channels()
+    finally:
+        await km.shutdown_all()

@@ -7,12 +7,21 @@ through the proxy with alice's token, as the panel does with her session.
 
 from __future__ import annotations
 
+import asyncio
+import json
+import secrets
 import shutil
 from pathlib import Path
 
 import pytest
 from gpusnap_service import GpuSnapService
+from realhub import free_port
+from test_autounpark import SlowRestoreLibcuda
+from test_cuda_absent import CHECKPOINTED, RUNNING
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
+from jupyterhub_gpusnap.autounpark import AutoUnpark, kernel_pid
+from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
 from jupyterhub_gpusnap.serverext import service_url_from_env
 
 pytestmark = pytest.mark.e2e
@@ -97,12 +106,17 @@ async def test_status_keep_suspend_and_no_activity_through_the_extension(hub_and
     assert status["max_keep_running"] == 7200
     assert isinstance(status["events"], list)
     assert "kernels" in status["signals"]
+    # the automatic unpark's state rides along (no CUDA driver here: nothing is watched)
+    assert status["autounpark"]["watching"] is False
+    assert status["autounpark"]["resuming"] is False
 
     # the panel's polling is not activity: /api/status's last_activity does not move
     before = await last_activity(hub)
     for _ in range(25):
         code, data = await hub.user_request("alice", "gpusnap/status")
         assert code == 200, data
+        code, data = await hub.user_request("alice", "gpusnap/autounpark")
+        assert code == 200 and data["resuming"] is False, data
     code, _ = await hub.user_request("alice", "gpusnap/keep", "POST", {"seconds": 60})
     assert code == 200
     assert await last_activity(hub) == before
@@ -172,3 +186,120 @@ def test_service_url_from_env():
         service_url_from_env({"JUPYTERHUB_API_URL": "http://proxy:8000/hub/api"}, "snap")
         == "http://proxy:8000/services/snap/"
     )
+
+
+@pytest.fixture
+async def jupyter_server(tmp_path, monkeypatch):
+    """A real jupyter-server in this process with only the gpusnap extension, outside
+    JupyterHub; yields (app, base url, token)."""
+    from jupyter_server.serverapp import ServerApp
+
+    for name in ("JUPYTERHUB_USER", "JUPYTERHUB_API_TOKEN", "JUPYTERHUB_SERVER_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("JUPYTER_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    port = free_port()
+    token = secrets.token_hex(16)
+    app = ServerApp(jpserver_extensions={"jupyterhub_gpusnap.serverext": True})
+    app.initialize(
+        argv=[
+            f"--port={port}",
+            "--ip=127.0.0.1",
+            "--allow-root",
+            "--no-browser",
+            f"--ServerApp.root_dir={tmp_path}",
+            f"--IdentityProvider.token={token}",
+        ]
+        + [
+            f"--ServerApp.jpserver_extensions={name}={enabled}"
+            for name, enabled in [
+                ("jupyterhub_gpusnap.serverext", True),
+                ("jupyterlab", False),
+                ("jupyter_lsp", False),
+                ("notebook_shim", False),
+                ("jupyter_server_terminals", False),
+            ]
+        ],
+        new_httpserver=True,
+    )
+    app.start_app()
+    try:
+        yield app, f"http://127.0.0.1:{port}/", token
+    finally:
+        await app._cleanup()
+        ServerApp.clear_instance()
+
+
+async def local_get(base: str, token: str, path: str) -> tuple[int, dict]:
+    resp = await AsyncHTTPClient().fetch(
+        HTTPRequest(base + path, headers={"Authorization": f"token {token}"}),
+        raise_error=False,
+    )
+    return resp.code, json.loads(resp.body) if resp.body else {}
+
+
+async def test_resuming_is_shown_while_a_busy_parked_kernel_gets_its_gpu_memory_back(
+    jupyter_server,
+):
+    app, base, token = jupyter_server
+    # no CUDA driver here: the extension watches nothing, and says so
+    code, state = await local_get(base, token, "gpusnap/autounpark")
+    assert code == 200 and state["watching"] is False and state["resuming"] is False
+    code, _ = await local_get(base, "not-the-token", "gpusnap/autounpark")
+    assert code == 403
+
+    # a real kernel, parked on the (fake) driver; auto-unpark watching it as it does on a GPU
+    code, kernel = await post_json(base, token, "api/kernels", {})
+    assert code == 201, kernel
+    km = app.kernel_manager
+    pid = kernel_pid(km.get_kernel(kernel["id"]))
+    driver = SlowRestoreLibcuda([pid])
+    driver.states[pid] = CHECKPOINTED
+    watcher = AutoUnpark(km, cuda=CudaCheckpoint(driver=driver), interval=0.05)
+    app.web_app.settings["gpusnap_autounpark"] = watcher
+    watcher.start()
+    client = km.get_kernel(kernel["id"]).client()
+    try:
+        code, state = await local_get(base, token, "gpusnap/autounpark")
+        assert code == 200 and state["watching"] is True and state["resuming"] is False
+
+        client.start_channels()
+        client.execute("import time; time.sleep(5)")  # the user runs a cell
+        for _ in range(400):
+            if driver.restoring.is_set():
+                break
+            await asyncio.sleep(0.05)
+        assert driver.restoring.is_set(), "the busy parked kernel was not unparked"
+        code, state = await local_get(base, token, "gpusnap/autounpark")
+        assert code == 200 and state["resuming"] is True, state
+        assert state["resuming_kernels"] == [kernel["id"]] and state["resuming_since"]
+        # the status carries it too, even where the service cannot be asked (not under a Hub)
+        code, status = await local_get(base, token, "gpusnap/status")
+        assert code == 404 and "JUPYTERHUB_USER" in status["message"]
+        assert status["autounpark"]["resuming"] is True
+
+        driver.go.set()
+        for _ in range(200):
+            code, state = await local_get(base, token, "gpusnap/autounpark")
+            if not state["resuming"]:
+                break
+            await asyncio.sleep(0.05)
+        assert state["resuming"] is False and state["last_unpark"]["kernel"] == kernel["id"]
+        assert driver.states[pid] == RUNNING
+    finally:
+        driver.go.set()
+        watcher.stop()
+        client.stop_channels()
+
+
+async def post_json(base: str, token: str, path: str, body: dict) -> tuple[int, dict]:
+    resp = await AsyncHTTPClient().fetch(
+        HTTPRequest(
+            base + path,
+            method="POST",
+            body=json.dumps(body),
+            headers={"Authorization": f"token {token}"},
+        ),
+        raise_error=False,
+    )
+    return resp.code, json.loads(resp.body) if resp.body else {}

@@ -3,7 +3,9 @@
 It adds ``GET /gpusnap/status``, ``POST /gpusnap/keep`` and ``POST /gpusnap/suspend`` under the
 single-user server's base_url. Each one calls the gpusnap service for *this* server
 (``JUPYTERHUB_USER`` / ``JUPYTERHUB_SERVER_NAME``) with the server's own Hub token, so the browser
-never needs a token for the service. Enable it with
+never needs a token for the service. ``GET /gpusnap/autounpark`` answers locally: whether a parked
+kernel's GPU memory is being brought back right now (the panel's "resuming…"); the status
+carries the same under ``autounpark``. Enable it with
 ``jupyter server extension enable jupyterhub_gpusnap.serverext`` (pip installs the config file that
 does this).
 """

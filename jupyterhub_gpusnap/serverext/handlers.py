@@ -30,15 +30,35 @@ class GpuSnapHandler(APIHandler):
     def client(self) -> GpuSnapClient:
         return self.settings["gpusnap_client"]
 
-    async def relay(self, method: str, action: str = "", body: dict | None = None) -> None:
+    async def relay(
+        self, method: str, action: str = "", body: dict | None = None, local: dict | None = None
+    ) -> None:
+        """Answer with the service's answer for this server (``local`` added to it, or to
+        the error, so the panel has it even when the service cannot be reached)."""
         try:
             status, data = await self.client.call(method, action, body)
         except ServiceError as e:
             self.set_status(e.status)
-            self.finish(json.dumps({"message": e.message, "server": self.client.server_key}))
+            error = {"message": e.message, "server": self.client.server_key}
+            self.finish(json.dumps({**error, **(local or {})}))
             return
+        if local and isinstance(data, dict):
+            data.update(local)
         self.set_status(status)
         self.finish(json.dumps(data))
+
+    def autounpark_state(self) -> dict:
+        """This server's automatic unpark, as :meth:`AutoUnpark.state` describes it."""
+        watcher = self.settings.get("gpusnap_autounpark")
+        if watcher is None:
+            return {
+                "watching": False,
+                "resuming": False,
+                "resuming_since": None,
+                "resuming_kernels": [],
+                "last_unpark": None,
+            }
+        return watcher.state()
 
     def body(self) -> dict:
         if not self.request.body:
@@ -55,8 +75,17 @@ class GpuSnapHandler(APIHandler):
 class StatusHandler(GpuSnapHandler):
     @authenticated
     async def get(self) -> None:
-        """This server's gpusnap status (the service's status model, with events)."""
-        await self.relay("GET")
+        """This server's gpusnap status (the service's status model, with events), plus
+        ``autounpark``: whether a parked kernel's GPU memory is being brought back now."""
+        await self.relay("GET", local={"autounpark": self.autounpark_state()})
+
+
+class AutoUnparkHandler(GpuSnapHandler):
+    @authenticated
+    def get(self) -> None:
+        """Only the automatic unpark's state, answered here without asking the service: the
+        panel polls it every second while the server is parked, to show "resuming…"."""
+        self.finish(json.dumps(self.autounpark_state()))
 
 
 class KeepHandler(GpuSnapHandler):
@@ -78,6 +107,7 @@ def handlers(base_url: str) -> list[tuple[str, type]]:
     base = base_url if base_url.endswith("/") else base_url + "/"
     return [
         (base + "gpusnap/status", StatusHandler),
+        (base + "gpusnap/autounpark", AutoUnparkHandler),
         (base + "gpusnap/keep", KeepHandler),
         (base + "gpusnap/suspend", SuspendHandler),
     ]

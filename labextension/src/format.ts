@@ -11,6 +11,18 @@ export interface IEvent {
   detail: { [key: string]: any } | null;
 }
 
+/**
+ * The server extension's automatic unpark (GET /gpusnap/autounpark, and `autounpark` in the
+ * status): a parked kernel that runs a cell gets its GPU memory back by itself.
+ */
+export interface IAutoUnpark {
+  watching: boolean;
+  resuming: boolean;
+  resuming_since: string | null;
+  resuming_kernels: string[];
+  last_unpark: { kernel: string; seconds: number; at: string | null } | null;
+}
+
 /** The service's status model (GET api/servers/{user}/{name}), as relayed by /gpusnap/status. */
 export interface IStatus {
   server: string;
@@ -35,6 +47,7 @@ export interface IStatus {
   failure: string | null;
   signals: { [key: string]: any };
   events?: IEvent[];
+  autounpark?: IAutoUnpark | null;
 }
 
 function ms(iso: string | null | undefined): number | null {
@@ -120,6 +133,36 @@ export function snapshotTime(status: IStatus): string | null {
   return suspends.length ? suspends[0].time : status.restored_at;
 }
 
+/**
+ * When a parked server's GPU memory came back by itself (a cell ran), if that happened after it
+ * was parked: the service still says "parked" until its next look at the server.
+ */
+export function unparkedAt(status: IStatus): string | null {
+  const at = status.autounpark?.last_unpark?.at ?? null;
+  const t = ms(at);
+  const since = ms(status.state_since);
+  if (t === null || (since !== null && t < since)) {
+    return null;
+  }
+  return at;
+}
+
+/** Where the server's GPU memory is, while that is worth saying (the panel's "GPU memory" row). */
+export function gpuMemoryLine(status: IStatus, now: number, tz?: string): string | null {
+  const a = status.autounpark;
+  if (a?.resuming) {
+    return `resuming… coming back from host RAM since ${formatClock(a.resuming_since, now, tz)}`;
+  }
+  if (status.state !== 'parked') {
+    return null;
+  }
+  const back = unparkedAt(status);
+  if (back) {
+    return `back on the GPU since ${formatClock(back, now, tz)}`;
+  }
+  return `in host RAM since ${formatClock(status.state_since, now, tz)} (back when you run a cell)`;
+}
+
 /** How long after a restore the status bar says so (then the usual idle countdown returns). */
 export const RESTORED_FOR_MS = 15 * 60 * 1000;
 
@@ -127,6 +170,9 @@ export const RESTORED_FOR_MS = 15 * 60 * 1000;
 export function statusLine(status: IStatus | null, now: number, tz?: string): string {
   if (!status) {
     return 'GPU snapshot: not watched yet';
+  }
+  if (status.autounpark?.resuming) {
+    return 'resuming… GPU memory coming back from host RAM';
   }
   const keep = ms(status.keep_until);
   const idle = status.idle_seconds !== null ? formatDuration(status.idle_seconds) : '';
@@ -142,8 +188,13 @@ export function statusLine(status: IStatus | null, now: number, tz?: string): st
   switch (status.state) {
     case 'exempt':
       return 'GPU snapshot: exempt';
-    case 'parked':
+    case 'parked': {
+      const back = unparkedAt(status);
+      if (back) {
+        return `resumed: GPU memory back on the GPU since ${formatClock(back, now, tz)}`;
+      }
       return `parked: GPU memory in host RAM since ${formatClock(status.state_since, now, tz)}`;
+    }
     case 'suspending':
       return 'GPU snapshot: suspending…';
     case 'suspended':

@@ -17,6 +17,7 @@ import {
   formatClock,
   formatCountdown,
   formatDuration,
+  gpuMemoryLine,
   history,
   IStatus,
   keepChoices,
@@ -24,6 +25,9 @@ import {
 } from './format';
 
 const POLL_MS = 10000;
+/** While parked, how often the panel asks the server extension (not the service) whether a
+ * cell brought the GPU memory back: "resuming…" lasts about as long as the driver's restore. */
+const UNPARK_POLL_MS = 1000;
 const PANEL_ID = 'gpusnap-panel';
 
 const icon = new LabIcon({
@@ -68,6 +72,23 @@ class Model {
       this.error = (e as Error).message;
     }
     this.emit();
+  }
+
+  /** While the server is parked (or resuming), refresh only the automatic unpark's state. */
+  async refreshUnpark(): Promise<void> {
+    const s = this.status;
+    if (!s || !(s.state === 'parked' || s.autounpark?.resuming)) {
+      return;
+    }
+    try {
+      const autounpark = await this.request('autounpark');
+      if (this.status === s) {
+        this.status = { ...s, autounpark };
+        this.emit();
+      }
+    } catch (e) {
+      // the next full refresh reports what is wrong
+    }
   }
 
   async act(path: 'keep' | 'suspend', body: object = {}): Promise<void> {
@@ -179,6 +200,10 @@ class Panel extends Widget {
     if (s.park_at) {
       rows.push(['GPU parked at', formatClock(s.park_at, now)]);
     }
+    const gpu = gpuMemoryLine(s, now);
+    if (gpu) {
+      rows.push(['GPU memory', gpu]);
+    }
     if (s.keep_until && Date.parse(s.keep_until) > now) {
       rows.push(['Kept running until', s.exempt ? 'always (exempt)' : formatClock(s.keep_until, now)]);
     }
@@ -275,6 +300,7 @@ const plugin: JupyterFrontEndPlugin<void> = {
     }
     void model.refresh();
     setInterval(() => void model.refresh(), POLL_MS);
+    setInterval(() => void model.refreshUnpark(), UNPARK_POLL_MS);
     // the countdown moves every second between polls
     setInterval(() => model.emit(), 1000);
   }

@@ -101,3 +101,35 @@ test('history shows restores with size and duration, newest first', () => {
   assert.deepEqual(rows[0], { time: '15:00', what: 'restored', size: '2.0 GiB', took: '4.3 s' });
   assert.deepEqual(rows[1], { time: '09:12', what: 'suspended', size: '2.0 GiB (GPU 1.0 GiB)', took: '' });
 });
+
+test('a parked server says "resuming…" while a cell brings its GPU memory back', () => {
+  const parked = status({ state: 'parked', state_since: '2026-11-22T14:02:00Z' });
+  const idle = { watching: true, resuming: false, resuming_since: null, resuming_kernels: [], last_unpark: null };
+  // parked, nothing running: the parked line and where the memory is
+  assert.equal(f.statusLine({ ...parked, autounpark: idle }, NOW, TZ), 'parked: GPU memory in host RAM since 14:02');
+  assert.equal(
+    f.gpuMemoryLine({ ...parked, autounpark: idle }, NOW, TZ),
+    'in host RAM since 14:02 (back when you run a cell)'
+  );
+  // a cell started: the extension is restoring the kernel's GPU memory
+  const resuming = {
+    ...parked,
+    autounpark: { ...idle, resuming: true, resuming_since: '2026-11-22T15:27:58Z', resuming_kernels: ['k1'] }
+  };
+  assert.equal(f.statusLine(resuming, NOW, TZ), 'resuming… GPU memory coming back from host RAM');
+  assert.equal(f.gpuMemoryLine(resuming, NOW, TZ), 'resuming… coming back from host RAM since 15:27');
+  // done, before the service has looked again (it still says "parked")
+  const back = { ...parked, autounpark: { ...idle, last_unpark: { kernel: 'k1', seconds: 2.1, at: '2026-11-22T15:28:00Z' } } };
+  assert.equal(f.unparkedAt(back), '2026-11-22T15:28:00Z');
+  assert.equal(f.statusLine(back, NOW, TZ), 'resumed: GPU memory back on the GPU since 15:28');
+  assert.equal(f.gpuMemoryLine(back, NOW, TZ), 'back on the GPU since 15:28');
+  // an unpark from before this parking does not count
+  const older = { ...parked, autounpark: { ...idle, last_unpark: { kernel: 'k1', seconds: 2.1, at: '2026-11-22T13:00:00Z' } } };
+  assert.equal(f.unparkedAt(older), null);
+  assert.equal(f.statusLine(older, NOW, TZ), 'parked: GPU memory in host RAM since 14:02');
+  // resuming wins over every other line; an active server with nothing parked says nothing of it
+  assert.equal(f.statusLine({ ...resuming, state: 'warned' }, NOW, TZ), 'resuming… GPU memory coming back from host RAM');
+  assert.equal(f.gpuMemoryLine(status({ autounpark: idle }), NOW, TZ), null);
+  // a server extension without the field (older) still renders
+  assert.equal(f.statusLine(parked, NOW, TZ), 'parked: GPU memory in host RAM since 14:02');
+});
