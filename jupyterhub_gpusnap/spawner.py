@@ -181,16 +181,17 @@ class SnapSpawnerMixin(LocalProcessSpawner):
     async def poll(self) -> int | None:
         """Like LocalProcessSpawner.poll, counting a zombie as gone; notes a suspension."""
         pid = self.pid
+        token = self.api_token  # clear_state() forgets it
         if self.proc is None and pid and not is_alive(pid):
             self.clear_state()
             status = 0
         else:
             status = await super().poll()
         if status is not None and pid:
-            await self._note_suspension(pid)
+            await self._note_suspension(pid, token)
         return status
 
-    async def _note_suspension(self, pid: int) -> None:
+    async def _note_suspension(self, pid: int, token: str = "") -> None:
         """If the processes ended because they were checkpointed, keep what a restore needs."""
         try:
             info = await self.backend.latest(self.user.name, self.name)
@@ -215,6 +216,10 @@ class SnapSpawnerMixin(LocalProcessSpawner):
             "image_bytes": info.image_bytes,
             "gpu_bytes": info.gpu_bytes,
         }
+        token_id = self._token_id(token or self.api_token)
+        if token_id is not None:
+            # revoked by id if the checkpoint (which holds the token itself) is lost
+            self.snapshot["token_id"] = token_id
         self.will_resume = True
         self.log.info(
             "%s: suspended (checkpoint %s); it will be restored on the next start",
@@ -302,6 +307,8 @@ class SnapSpawnerMixin(LocalProcessSpawner):
             "Any files left of it stay%s for recovery by hand (docs/operations.md)",
             self.server_key, cid, where,
         )  # fmt: skip
+        # the suspended server's token is only in the lost manifest: revoke it by id
+        self._revoke_id(self.snapshot.get("token_id"))
         when = self.snapshot.get("created_utc") or "your last suspension"
         self._emit(
             f"your snapshot from {when} could not be found; starting a fresh server "
@@ -409,6 +416,34 @@ class SnapSpawnerMixin(LocalProcessSpawner):
         except Exception as e:
             self.log.warning("%s: cannot read the token of %s: %s", self.server_key, info.id, e)
             return ""
+
+    def _token_id(self, token: str) -> int | None:
+        """The Hub database id of an API token (None if unknown)."""
+        if not token or getattr(self, "user", None) is None:
+            return None
+        try:
+            from jupyterhub import orm
+
+            found = orm.APIToken.find(self.user.db, token)
+            return found.id if found is not None else None
+        except Exception:
+            return None
+
+    def _revoke_id(self, token_id: int | None) -> None:
+        """Revoke the API token with database id ``token_id`` (not the running server's)."""
+        if token_id is None or token_id == self._token_id(self.api_token):
+            return
+        try:
+            from jupyterhub import orm
+
+            db = self.user.db
+            found = db.get(orm.APIToken, token_id)
+            if found is not None:
+                db.delete(found)
+                db.commit()
+                self.log.info("%s: revoked the lost snapshot's API token", self.server_key)
+        except Exception as e:
+            self.log.warning("%s: could not revoke the lost snapshot's token: %s", self.server_key, e)
 
     def _revoke(self, token: str) -> None:
         if not token or token == self.api_token:
