@@ -658,7 +658,7 @@ class LocalBackend(CheckpointBackend):
         # 4. Only now: the image is safe, the frozen tree can go.
         await self.kill_tree(pids)
         if m.storage == "chunks":
-            self._drop_files(folder)
+            _drop_image_files(folder)
         self.log.info(
             "%s: checkpoint %s verified (%.1f MiB, GPU free after %.2fs, dump %.2fs, "
             "checksums and fsync %.2fs, %s); processes ended",
@@ -733,13 +733,6 @@ class LocalBackend(CheckpointBackend):
         if not keys:
             return token
         return "sealed:" + keys[0].seal(token.encode(), b"api_token").hex()
-
-    @staticmethod
-    def _drop_files(folder: Path) -> None:
-        """Delete the raw image files of a checkpoint kept as chunks (logs stay)."""
-        for path in image_files(folder):
-            with contextlib.suppress(OSError):
-                path.unlink()
 
     async def sweep_chunks(self) -> tuple[int, int]:
         """Delete chunks no checkpoint uses any more; (count, bytes). Skipped (0, 0) while
@@ -1084,7 +1077,7 @@ class LocalBackend(CheckpointBackend):
     def _unstage(self, folder: Path, images: Path) -> None:
         """Remove unpacked image files; keep CRIU's restore log in the checkpoint folder."""
         if images == folder:
-            self._drop_files(folder)
+            _drop_image_files(folder)
             return
         for log in images.glob("restore-*.log"):
             with contextlib.suppress(OSError):
@@ -1191,7 +1184,7 @@ class LocalBackend(CheckpointBackend):
         done = []
         for folder, m in self._load_all():
             if m.storage == "chunks" and m.status != "writing":
-                self._drop_files(folder)  # raw files a crash left after packing
+                _drop_image_files(folder)  # raw files a crash left after packing
             if m.status != "writing":
                 continue
             key = server_key(m.user, m.server)
@@ -1238,7 +1231,8 @@ def _disk_full(why: str) -> bool:
 
 
 def _drop_image_files(folder: Path) -> int:
-    """Delete a failed checkpoint's image files (not its logs or manifest); the bytes freed."""
+    """Delete a checkpoint folder's image files (not its logs or manifest); the bytes freed.
+    For a failed checkpoint, and for the raw files of one kept as chunks."""
     freed = 0
     for path in image_files(folder):
         try:
