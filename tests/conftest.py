@@ -86,14 +86,20 @@ class ProcessTree:
     (update it after a restore); teardown kills whatever tree ``pid`` names.
     """
 
-    def __init__(self, root: Path, pidns: bool = False, unix_peer: str | None = None):
+    def __init__(
+        self,
+        root: Path,
+        pidns: bool = False,
+        unix_peer: str | None = None,
+        program: str = TREE_PROGRAM,
+    ):
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         self.file = root / "data.log"
         self.stdout = root / "stdout.log"
         script = root / "tree.py"
-        script.write_text(TREE_PROGRAM)
+        script.write_text(program)  # run as: program PORT LOGPATH [UNIX_PEER]
         cmd = [sys.executable, str(script), str(self.port), str(self.file)]
         if unix_peer:
             cmd.append(unix_peer)
@@ -148,7 +154,8 @@ class ProcessTree:
 
 @pytest.fixture
 def process_tree(tmp_path):
-    """Factory: ``tree = process_tree(pidns=False, unix_peer=None)``; all killed at teardown."""
+    """Factory: ``tree = process_tree(pidns=False, unix_peer=None, program=TREE_PROGRAM)``;
+    all killed at teardown."""
     trees: list[ProcessTree] = []
 
     def make(**kwargs) -> ProcessTree:

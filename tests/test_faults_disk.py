@@ -15,19 +15,13 @@ back and the next suspension succeeds.
 
 from __future__ import annotations
 
-import asyncio
-import json
-import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from realhub import free_port
 
 from jupyterhub_gpusnap import metrics
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend, is_alive, is_frozen
@@ -45,7 +39,7 @@ GROW_MIB = 96
 # A server holding state in memory that can grow ("alloc N" MiB) and shrink ("free").
 PROGRAM = r"""
 import json, os, socket, sys
-port = int(sys.argv[1])
+port = int(sys.argv[1])  # (argv[2], a log path, is not used)
 state = {"count": 0, "secret": os.urandom(8).hex()}
 ballast = []
 s = socket.socket()
@@ -67,64 +61,6 @@ while True:
 """
 
 
-class GrowingServer:
-    """The program above as the init of its own PID namespace (as the spawner runs servers)."""
-
-    def __init__(self, root: Path):
-        root.mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.out = root / "stdout.log"
-        script = root / "server.py"
-        script.write_text(PROGRAM)
-        with open(self.out, "ab") as out:
-            self.proc = subprocess.Popen(
-                [
-                    "unshare",
-                    "--pid",
-                    "--fork",
-                    "setsid",
-                    sys.executable,
-                    str(script),
-                    str(self.port),
-                ],
-                stdout=out,
-                stderr=out,
-                stdin=subprocess.DEVNULL,
-            )
-        self.pid = 0
-
-    async def wait_ready(self, timeout: float = 20) -> None:
-        deadline = time.monotonic() + timeout
-        while b"ready" not in self.out.read_bytes():
-            assert time.monotonic() < deadline, self.out.read_text()
-            await asyncio.sleep(0.05)
-        self.pid = psutil.Process(self.proc.pid).children()[0].pid
-
-    async def ask(self, cmd: str = "get", timeout: float = 20) -> dict:
-        async def go():
-            r, w = await asyncio.open_connection("127.0.0.1", self.port)
-            w.write(cmd.encode())
-            await w.drain()
-            data = await r.read()
-            w.close()
-            return json.loads(data)
-
-        return await asyncio.wait_for(go(), timeout)
-
-    def kill(self) -> None:
-        try:
-            pids = [self.pid] + [c.pid for c in psutil.Process(self.pid).children(recursive=True)]
-        except psutil.Error:
-            pids = [self.pid] if self.pid else []
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        self.proc.kill()
-        self.proc.wait()
-
-
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 48 MiB filesystem (tmpfs) for checkpoint_dir; unmounted at teardown."""
@@ -144,11 +80,11 @@ def small_disk(tmp_path):
 
 
 @pytest.fixture
-async def server(tmp_path):
-    s = GrowingServer(tmp_path / "server")
+async def server(process_tree):
+    """The program above as the init of its own PID namespace (as the spawner runs servers)."""
+    s = process_tree(pidns=True, program=PROGRAM)
     await s.wait_ready()
-    yield s
-    s.kill()
+    return s
 
 
 def grow_at_pre_dump(tmp_path: Path, port: int) -> str:
