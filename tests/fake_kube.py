@@ -1425,6 +1425,27 @@ class Cluster:
     def agent_url(self) -> str:
         return f"http://127.0.0.1:{self.agent.port}"
 
+    async def agent_call(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        token: str = AGENT_SECRET,
+        timeout: float = 120,
+    ) -> tuple[int, dict]:
+        """Call the agent's HTTP API as the service does; return (status, JSON body)."""
+        from tornado.httpclient import AsyncHTTPClient
+
+        r = await AsyncHTTPClient().fetch(
+            self.agent_url + path,
+            method=method,
+            raise_error=False,
+            headers={"Authorization": f"Bearer {token}"} if token else {},
+            body=json.dumps(body) if body is not None else None,
+            request_timeout=timeout,
+        )
+        return r.code, json.loads(r.body)
+
     def hub_config(self, **extra):
         """Config for the hub side (KubernetesBackend, AgentSignal) pointing at this cluster."""
         from traitlets.config import Config

@@ -10,15 +10,13 @@ restore the process into the placeholder's namespaces and cgroup, memory intact.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
 from pathlib import Path
 
 import pytest
-from fake_kube import AGENT_SECRET, Cluster, SandboxContainer, Workload, cgroup2_mount
-from tornado.httpclient import AsyncHTTPClient
+from fake_kube import Cluster, SandboxContainer, Workload, cgroup2_mount
 from traitlets import TraitError
 
 from jupyterhub_gpusnap.agent.app import AgentApp
@@ -41,18 +39,6 @@ def cgroup_of(pid: int) -> str:
         if line.startswith("0::"):
             return line[3:]
     raise AssertionError(f"pid {pid} has no cgroup v2 line")
-
-
-async def post(cluster: Cluster, path: str, body: dict) -> tuple[int, dict]:
-    r = await AsyncHTTPClient().fetch(
-        cluster.agent_url + path,
-        method="POST",
-        body=json.dumps(body),
-        headers={"Authorization": f"Bearer {AGENT_SECRET}"},
-        raise_error=False,
-        request_timeout=120,
-    )
-    return r.code, json.loads(r.body)
 
 
 async def start_cluster(tmp_path: Path) -> Cluster:
@@ -94,8 +80,8 @@ async def test_restore_joins_the_placeholders_namespaces_and_cgroup(tmp_path):
         sandbox = SandboxContainer(placeholder_pod(cluster, shipped.id)).start()
         assert ns_of(sandbox.pid) not in (ns_of("self"), dumped_ns)
 
-        code, body = await post(
-            cluster,
+        code, body = await cluster.agent_call(
+            "POST",
             "/v1/restore",
             {
                 "namespace": "jhub",
@@ -145,8 +131,8 @@ async def test_restore_waits_for_a_running_placeholder_and_fetches_nothing(tmp_p
     try:
         # the placeholder pod exists but none of its processes runs on this node
         placeholder_pod(cluster, "/nowhere/alice.tar")
-        code, body = await post(
-            cluster,
+        code, body = await cluster.agent_call(
+            "POST",
             "/v1/restore",
             {
                 "namespace": "jhub",
@@ -159,8 +145,8 @@ async def test_restore_waits_for_a_running_placeholder_and_fetches_nothing(tmp_p
         assert "no process of container notebook (pod jhub/jupyter-alice)" in body["error"]
         assert "hostPID" in body["fix"]
         # a container that does not exist in the pod is named as such
-        code, body = await post(
-            cluster,
+        code, body = await cluster.agent_call(
+            "POST",
             "/v1/restore",
             {
                 "namespace": "jhub",
@@ -173,8 +159,8 @@ async def test_restore_waits_for_a_running_placeholder_and_fetches_nothing(tmp_p
         assert "placeholder_command" in body["fix"]
         # a pod that is not the placeholder of this image (a user's running server) is
         # never restored into
-        code, body = await post(
-            cluster,
+        code, body = await cluster.agent_call(
+            "POST",
             "/v1/restore",
             {
                 "namespace": "jhub",
@@ -185,8 +171,8 @@ async def test_restore_waits_for_a_running_placeholder_and_fetches_nothing(tmp_p
         )
         assert code == 409 and "is not a placeholder for /nowhere/bob.tar" in body["error"]
         cluster.add_user_pod("carol")
-        code, body = await post(
-            cluster,
+        code, body = await cluster.agent_call(
+            "POST",
             "/v1/restore",
             {"namespace": "jhub", "pod": "jupyter-carol", "image": "/nowhere/alice.tar"},
         )

@@ -69,19 +69,6 @@ async def registry(tmp_path):
     r.stop()
 
 
-async def call(
-    cluster: Cluster, method: str, path: str, body: dict | None = None, token: str = AGENT_SECRET
-):
-    r = await AsyncHTTPClient().fetch(
-        cluster.agent_url + path,
-        method=method,
-        raise_error=False,
-        headers={"Authorization": f"Bearer {token}"} if token else {},
-        body=json.dumps(body) if body is not None else None,
-    )
-    return r.code, json.loads(r.body)
-
-
 # -- pure parts ---------------------------------------------------------------------------
 
 
@@ -150,8 +137,8 @@ async def test_signals_map_host_pids_to_pods_and_read_cgroup_cpu(cluster):
     ticks = itertools.count(1000.0, 1.0)
     cluster.agent.cpu.clock = lambda: next(ticks)
 
-    code, body = await call(
-        cluster, "GET", "/v1/signals?pod=jhub/jupyter-alice&pod=jhub/jupyter-bob"
+    code, body = await cluster.agent_call(
+        "GET", "/v1/signals?pod=jhub/jupyter-alice&pod=jhub/jupyter-bob"
     )
     assert code == 200
     alice = body["pods"]["jhub/jupyter-alice"]
@@ -165,7 +152,7 @@ async def test_signals_map_host_pids_to_pods_and_read_cgroup_cpu(cluster):
     assert other["spec"]["nodeName"] == "gpu-node-2"
 
     cluster.tree.set_cpu(uid, 7_500_000)  # 0.5 s of CPU over the next one-second tick
-    code, body = await call(cluster, "GET", "/v1/signals?pod=jhub/jupyter-alice")
+    code, body = await cluster.agent_call("GET", "/v1/signals?pod=jhub/jupyter-alice")
     assert body["pods"]["jhub/jupyter-alice"]["cpu_percent"] == pytest.approx(50.0)
     assert (
         "GET",
@@ -180,25 +167,25 @@ async def test_signals_map_host_pids_to_pods_and_read_cgroup_cpu(cluster):
 
 
 async def test_api_errors_carry_a_fix(cluster):
-    code, body = await call(cluster, "GET", "/v1/signals?pod=jhub/jupyter-alice", token="")
+    code, body = await cluster.agent_call("GET", "/v1/signals?pod=jhub/jupyter-alice", token="")
     assert code == 401 and body["fix"]
-    code, body = await call(cluster, "GET", "/healthz", token="wrong")
+    code, body = await cluster.agent_call("GET", "/healthz", token="wrong")
     assert code == 401 and "api_token_file" in body["fix"]
-    code, body = await call(cluster, "GET", "/v1/signals?pod=../etc")
+    code, body = await cluster.agent_call("GET", "/v1/signals?pod=../etc")
     assert code == 400 and "NAMESPACE/POD" in body["fix"]
-    code, body = await call(cluster, "POST", "/v1/checkpoint", {"namespace": "jhub"})
+    code, body = await cluster.agent_call("POST", "/v1/checkpoint", {"namespace": "jhub"})
     assert code == 400 and body["error"] == "missing field 'pod'"
-    code, body = await call(
-        cluster, "POST", "/v1/park", {"namespace": "jhub", "pod": "jupyter-alice"}
+    code, body = await cluster.agent_call(
+        "POST", "/v1/park", {"namespace": "jhub", "pod": "jupyter-alice"}
     )
     assert code == 409 and "570" in body["fix"]
 
 
 async def test_healthz_and_doctor_report_node_facts(cluster):
-    code, body = await call(cluster, "GET", "/healthz")
+    code, body = await cluster.agent_call("GET", "/healthz")
     assert code == 200
     assert body == {"ok": True, "node": NODE, "criu": "4.2.1", "driver": None}
-    code, body = await call(cluster, "GET", "/v1/doctor")
+    code, body = await cluster.agent_call("GET", "/v1/doctor")
     checks = {c["name"]: c for c in body["checks"]}
     assert checks["criu"]["ok"] and checks["criu"]["detail"] == "criu 4.2.1"
     assert (
@@ -220,7 +207,7 @@ async def test_healthz_and_doctor_report_node_facts(cluster):
     ]
     # a rule the ClusterRole lacks fails, naming where to add it
     cluster.kube.forbid("nodes/checkpoint")
-    code, body = await call(cluster, "GET", "/v1/doctor")
+    code, body = await cluster.agent_call("GET", "/v1/doctor")
     failed = {c["name"]: c for c in body["checks"]}["rbac: create nodes/checkpoint"]
     assert not failed["ok"] and "helm-values/agent/rbac.yaml" in failed["fix"]
     assert not checks["host-pids"]["ok"] and "hostPID" in checks["host-pids"]["fix"]
@@ -233,12 +220,12 @@ async def test_tokenreview_auth_admits_only_allowed_service_accounts(tmp_path):
     )
     try:
         hub_token = cluster.hub_token_file.read_text()
-        code, body = await call(cluster, "GET", "/healthz", token=hub_token)
+        code, body = await cluster.agent_call("GET", "/healthz", token=hub_token)
         assert code == 200 and body["ok"]
         other = cluster.kube.add_token("system:serviceaccount:default:default")
-        code, body = await call(cluster, "GET", "/healthz", token=other)
+        code, body = await cluster.agent_call("GET", "/healthz", token=other)
         assert code == 403 and "allowed_users" in body["fix"]
-        code, body = await call(cluster, "GET", "/healthz", token="sa-forged")
+        code, body = await cluster.agent_call("GET", "/healthz", token="sa-forged")
         assert code == 401
         reviews = [
             r
@@ -246,7 +233,7 @@ async def test_tokenreview_auth_admits_only_allowed_service_accounts(tmp_path):
             if r[1].startswith("/apis/authentication.k8s.io/v1/tokenreviews")
         ]
         assert len(reviews) == 3
-        await call(cluster, "GET", "/healthz", token=hub_token)  # cached: no new review
+        await cluster.agent_call("GET", "/healthz", token=hub_token)  # cached: no new review
         assert len([r for r in cluster.kube.requests if "tokenreviews" in r[1]]) == 3
 
         # the hub side sends its own ServiceAccount token when it has no shared secret
@@ -257,7 +244,7 @@ async def test_tokenreview_auth_admits_only_allowed_service_accounts(tmp_path):
 
         cluster.kube.forbid("tokenreviews")
         cluster.agent._reviews.clear()
-        code, body = await call(cluster, "GET", "/healthz", token=hub_token)
+        code, body = await cluster.agent_call("GET", "/healthz", token=hub_token)
         assert code == 403 and "ClusterRole" in body["fix"]
     finally:
         await cluster.stop()
@@ -563,8 +550,7 @@ async def test_gpu_checkpoint_records_its_gpus_and_restores_only_where_they_matc
         pvc = tmp_path / "pvc"
         pvc.mkdir()
 
-        code, body = await call(
-            cluster,
+        code, body = await cluster.agent_call(
             "POST",
             "/v1/checkpoint",
             {
@@ -596,7 +582,7 @@ async def test_gpu_checkpoint_records_its_gpus_and_restores_only_where_they_matc
         calls = list(libcuda.calls)
         for case, (models, driver, words, fixes) in REFUSALS.items():
             give_node_gpus(cluster, libcuda if models else None, models or [], driver)
-            code, refused = await call(cluster, "POST", "/v1/restore", restore)
+            code, refused = await cluster.agent_call("POST", "/v1/restore", restore)
             assert code == 409, (case, refused)
             assert refused["error"].startswith(
                 f"checkpoint {body['id']} cannot be restored on node {NODE}: "
@@ -611,7 +597,7 @@ async def test_gpu_checkpoint_records_its_gpus_and_restores_only_where_they_matc
         assert not os.path.exists(f"/proc/{work.pid}")  # nothing was restored
 
         give_node_gpus(cluster, libcuda, [H100, H100])
-        code, done = await call(cluster, "POST", "/v1/restore", restore)
+        code, done = await cluster.agent_call("POST", "/v1/restore", restore)
         assert code == 200, done
         restored = done["pid"]
         assert restored == work.pid

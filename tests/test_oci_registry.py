@@ -17,9 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from fake_kube import AGENT_SECRET, Cluster, Workload, tar_bytes
+from fake_kube import Cluster, Workload, tar_bytes
 from registry import Registry, docker_config
-from tornado.httpclient import AsyncHTTPClient
 
 from jupyterhub_gpusnap.agent.ship import Shipper
 from jupyterhub_gpusnap.checkpoint import oci
@@ -134,8 +133,8 @@ async def test_archive_pushed_pulled_by_digest_and_restored_by_the_agent(tmp_pat
 
         # the container is gone (the pod was deleted); its PIDs must be free for the restore
         work.stop()
-        code, body = await _post(
-            cluster,
+        code, body = await cluster.agent_call(
+            "POST",
             "/v1/restore",
             {
                 "namespace": "jhub",
@@ -165,17 +164,6 @@ async def test_archive_pushed_pulled_by_digest_and_restored_by_the_agent(tmp_pat
         await cluster.stop()
 
 
-async def _post(cluster: Cluster, path: str, body: dict):
-    r = await AsyncHTTPClient().fetch(
-        cluster.agent_url + path,
-        method="POST",
-        body=json.dumps(body),
-        headers={"Authorization": f"Bearer {AGENT_SECRET}"},
-        raise_error=False,
-    )
-    return r.code, json.loads(r.body)
-
-
 async def test_restore_refuses_an_image_that_is_not_a_checkpoint(tmp_path, registry):
     cluster = Cluster(tmp_path)
     await cluster.start(AgentApp__restore_into="agent")
@@ -185,8 +173,8 @@ async def test_restore_refuses_an_image_that_is_not_a_checkpoint(tmp_path, regis
         shipped = await Shipper(registry_scheme="http").to_registry(
             not_checkpoint, f"{registry.host}/gpusnap/alice", "notebook", "alice/", 0, time.time()
         )
-        code, body = await _post(
-            cluster,
+        code, body = await cluster.agent_call(
+            "POST",
             "/v1/restore",
             {
                 "namespace": "jhub",
@@ -196,8 +184,8 @@ async def test_restore_refuses_an_image_that_is_not_a_checkpoint(tmp_path, regis
             },
         )
         assert code == 422 and "checkpoint/inventory.img" in body["error"]
-        code, body = await _post(
-            cluster,
+        code, body = await cluster.agent_call(
+            "POST",
             "/v1/restore",
             {
                 "namespace": "jhub",
@@ -235,8 +223,8 @@ async def test_gpu_image_is_refused_from_its_annotations_before_its_layer_is_pul
         assert manifest["annotations"]["org.jupyterhub.gpusnap.driver-version"] == "580.1"
         assert await shipper.gpu_needs(shipped.id) == needs
 
-        code, body = await _post(
-            cluster,
+        code, body = await cluster.agent_call(
+            "POST",
             "/v1/restore",
             {"namespace": "jhub", "pod": "jupyter-alice", "image": shipped.id},
         )
