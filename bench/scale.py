@@ -45,6 +45,9 @@ from pathlib import Path
 
 import psutil
 from common import ROOT, print_table, write_json
+
+if str(ROOT / "tests") not in sys.path:  # tests/realhub.py imports its siblings (ports) by name
+    sys.path.insert(0, str(ROOT / "tests"))
 from tornado.httpclient import HTTPRequest
 from tornado.simple_httpclient import SimpleAsyncHTTPClient
 
@@ -372,6 +375,32 @@ async def memory_run(
     return rows
 
 
+def memory_check(
+    rows: list[dict], traced_limit_mib: float = 0.5, rss_limit_mib: float = 8.0
+) -> dict:
+    """Whether memory stayed flat: growth from the first sample after warm-up to the last.
+
+    Warm-up is the first 100 ticks (caches, metric children, SQLite's page cache fill
+    then); after it, ``tracemalloc``'s traced size (Python objects) may grow by at most
+    ``traced_limit_mib`` and RSS by at most ``rss_limit_mib`` over the remaining ticks.
+    """
+    after = [r for r in rows if r["tick"] >= 100] or rows
+    if len(after) < 2:
+        return {"flat": None, "why": "too few samples (run with --memory-ticks 200 or more)"}
+    first, last = after[0], after[-1]
+    traced = last["traced_mib"] - first["traced_mib"]
+    rss = last["rss_mib"] - first["rss_mib"]
+    return {
+        "from_tick": first["tick"],
+        "to_tick": last["tick"],
+        "traced_growth_mib": round(traced, 3),
+        "rss_growth_mib": round(rss, 3),
+        "traced_limit_mib": traced_limit_mib,
+        "rss_limit_mib": rss_limit_mib,
+        "flat": traced <= traced_limit_mib and rss <= rss_limit_mib,
+    }
+
+
 def summarize(ticks: list[dict]) -> dict:
     return {
         k: statistics.median(t[k] for t in ticks)
@@ -482,6 +511,12 @@ def main(argv: list[str] | None = None) -> None:
         "instead of running it again; its creation time is recorded",
     )
     p.add_argument("--label", default="", help="a note stored with the results (e.g. 'before')")
+    p.add_argument(
+        "--before",
+        default="",
+        help="an earlier scale.json (e.g. of the code before a change, run just before this one) "
+        "whose tick figures are printed and stored beside this run's as 'before'",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     earlier = None
@@ -529,8 +564,30 @@ def main(argv: list[str] | None = None) -> None:
         },
     ]
     print_table(rows, ["what", "servers", "cpu_s", "wall_s", "hub_requests"])
+    before = None
+    if args.before:
+        old = json.loads(Path(args.before).read_text())
+        before = {"created": old["created"], "label": old.get("label"), "rows": old["rows"]}
+        both = [
+            {
+                "what": f"{r['what']}: {when}",
+                "cpu_s": r["cpu_s"],
+                "wall_s": r["wall_s"],
+                "hub_requests": r["hub_requests"],
+            }  # fmt: skip
+            for r0, r1 in zip(old["rows"], rows, strict=True)
+            for when, r in (("before", r0), ("after", r1))
+        ]
+        print_table(both, ["what", "cpu_s", "wall_s", "hub_requests"])
+    check = memory_check(res["memory"]) if res["memory"] else None
     if res["memory"]:
         print_table(res["memory"], ["tick", "rss_mib", "traced_mib", "requests"])
+        verdict = {True: "FLAT", False: "GROWING", None: "unknown"}[check["flat"]]
+        print(
+            f"memory {verdict}: ticks {check.get('from_tick')}-{check.get('to_tick')}: "
+            f"traced {check.get('traced_growth_mib')} MiB (limit {check.get('traced_limit_mib')}), "
+            f"rss {check.get('rss_growth_mib')} MiB (limit {check.get('rss_limit_mib')})"
+        )
     write_json(
         "scale",
         rows,
@@ -549,6 +606,8 @@ def main(argv: list[str] | None = None) -> None:
         ticks=res["ours"],
         culler=res["culler"],
         memory=res["memory"],
+        memory_check=check,
+        before=before,
         setup=res["setup"],
         states=res["states"],
         events=res["events"],

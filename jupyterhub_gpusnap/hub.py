@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from collections.abc import AsyncIterator
 from datetime import datetime
 from urllib.parse import quote, urlencode
@@ -14,11 +15,15 @@ from traitlets.config import LoggingConfigurable
 
 from .model import Server
 
+_FROMISO_Z = sys.version_info >= (3, 11)  # fromisoformat reads a 'Z' suffix itself
+
 
 def parse_time(value: str | None) -> datetime | None:
     """Parse the Hub's ISO 8601 timestamps (always UTC, 'Z' suffix)."""
     if not value:
         return None
+    if _FROMISO_Z:
+        return datetime.fromisoformat(value)
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 

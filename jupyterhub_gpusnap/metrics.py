@@ -51,6 +51,27 @@ GPU_SECONDS_FREED = Counter(
     registry=REGISTRY,
 )
 
+MAKE_ROOM = Counter(
+    "gpusnap_make_room",
+    "Make-room runs (parking idle servers until GPU memory is free), by trigger (api: the admin "
+    "API; min_free_gpu_memory: a GPU had less free than Watcher.min_free_gpu_memory) and result "
+    "(enough, short: the idle servers held too little).",
+    ["trigger", "result"],
+    registry=REGISTRY,
+)
+MAKE_ROOM_BYTES = Counter(
+    "gpusnap_make_room_bytes",
+    "GPU memory moved to host RAM by make-room parks, by trigger (api, min_free_gpu_memory).",
+    ["trigger"],
+    registry=REGISTRY,
+)
+GPU_FREE_BYTES = Gauge(
+    "gpusnap_gpu_free_bytes",
+    "Free memory of each GPU (by index) when Watcher.min_free_gpu_memory was last checked.",
+    ["gpu"],
+    registry=REGISTRY,
+)
+
 
 def set_state_counts(counts: dict[str, int]) -> None:
     for state in State:

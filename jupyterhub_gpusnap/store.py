@@ -8,6 +8,7 @@ file is created readable by its owner only: it names users and their servers.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterable, Iterator
@@ -86,6 +87,8 @@ notifications = Table(
 )
 
 _FIELDS = [c.name for c in servers.columns]
+_COLUMNS = tuple(f for f in _FIELDS if f != "key")  # what an update may change
+_STATES = {s.value: s for s in State}  # State(value) without the enum call, for every row
 
 
 def _sqlite_file(url: str) -> Path | None:
@@ -127,6 +130,10 @@ class Store:
         metadata.create_all(self.engine)
         self._pending: dict[str, dict] | None = None  # put() rows held by batch()
         self._cache: dict[str, dict] | None = None  # rows read once by batch(preload=True)
+        # Every stored row as this store last read or wrote it, kept from one preloading batch
+        # to the next (the service is the database's only writer); None: read them again.
+        self._rows: dict[str, dict] | None = None
+        self._held_events: list[dict] = []  # add_event() rows held by batch()
 
     def close(self) -> None:
         self.engine.dispose()
@@ -148,17 +155,21 @@ class Store:
 
     @staticmethod
     def _values(status: ServerStatus) -> dict:
-        values = {f: getattr(status, f) for f in _FIELDS}
-        values["state"] = State(status.state).value
+        fields = status.__dict__  # a dataclass: its fields are its attributes
+        values = {f: fields[f] for f in _FIELDS}
+        state = _STATES.get(status.state)  # a State or its value
+        values["state"] = state.value if state is not None else State(status.state).value
         values["last_sample"] = dict(status.last_sample or {})
         return values
 
     @staticmethod
     def _from_values(values: dict) -> ServerStatus:
-        d = dict(values)
-        d["state"] = State(d["state"])
+        status = object.__new__(ServerStatus)  # ServerStatus(**values) without the call's cost
+        d = status.__dict__
+        d.update(values)
+        d["state"] = _STATES.get(d["state"]) or State(d["state"])
         d["last_sample"] = dict(d["last_sample"] or {})
-        return ServerStatus(**d)
+        return status
 
     def get(self, key: str) -> ServerStatus | None:
         if self._pending is not None and key in self._pending:
@@ -169,6 +180,21 @@ class Store:
         with self.engine.connect() as conn:
             row = conn.execute(select(servers).where(servers.c.key == key)).first()
         return self._to_status(row) if row else None
+
+    def keep_until(self, key: str, missing: float | None = None) -> float | None:
+        """The stored keep-running time of ``key`` (None: not kept); ``missing`` if no such server.
+
+        The one field the watcher re-reads after every signal reading: cheaper than
+        :meth:`get`, which builds a whole :class:`ServerStatus`.
+        """
+        if self._pending is not None and key in self._pending:
+            return self._pending[key]["keep_until"]
+        if self._cache is not None:
+            values = self._cache.get(key)
+            return values["keep_until"] if values is not None else missing
+        with self.engine.connect() as conn:
+            row = conn.execute(select(servers.c.keep_until).where(servers.c.key == key)).first()
+        return row[0] if row is not None else missing
 
     def put(self, status: ServerStatus, now: bool = False) -> None:
         """Insert or replace the row of ``status.key``.
@@ -182,18 +208,44 @@ class Store:
             return
         if self._pending is not None:
             self._pending.pop(status.key, None)
-        if self._cache is not None:
-            self._cache[status.key] = values
-        self.put_many([status])
+        self._write_rows([values])
 
     def put_many(self, statuses: Iterable[ServerStatus]) -> None:
         """Insert or replace many rows in one transaction (one commit, not one per server)."""
         self._write_rows([self._values(s) for s in statuses])
 
-    def _write_rows(self, rows: list[dict]) -> None:
-        if not rows:
+    def _write_rows(
+        self, rows: list[dict], events_too: bool = False, stored: dict[str, dict] | None = None
+    ) -> None:
+        """Insert or update ``rows`` (and write held events) in one transaction.
+
+        With ``stored`` (every stored row, by key, as :meth:`batch` preloaded it) a row
+        already stored is updated in the columns that changed only, and one that did not
+        change is not written: a tick mostly moves ``last_sample`` and little else.
+        """
+        held = self._take_events() if events_too else []
+        if not rows and not held:
             return
-        with self.engine.begin() as conn:
+        try:
+            with self.engine.begin() as conn:
+                if held:
+                    conn.execute(insert(events), held)
+                if stored is not None:
+                    self._write_changes(conn, rows, stored)
+                else:
+                    self._write_all(conn, rows)
+        except BaseException:
+            self._rows = self._cache = None  # what was written is unknown: read again
+            raise
+        if self._rows is not None:
+            self._rows.update((r["key"], r) for r in rows)
+        if self._cache is not None and self._cache is not self._rows:
+            self._cache.update((r["key"], r) for r in rows)
+
+    @staticmethod
+    def _write_all(conn, rows: list[dict]) -> None:
+        """Insert or update whole rows, looking up which exist."""
+        if rows:
             keys = [r["key"] for r in rows]
             existing: set[str] = set()
             for i in range(0, len(keys), 500):  # stay under SQLite's bound-parameter limit
@@ -207,15 +259,58 @@ class Store:
             if new:
                 conn.execute(insert(servers), new)
 
+    @staticmethod
+    def _write_changes(conn, rows: list[dict], stored: dict[str, dict]) -> None:
+        by_columns: dict[tuple[str, ...], list[dict]] = {}
+        new = []
+        for row in rows:
+            old = stored.get(row["key"])
+            if old is None:
+                new.append(row)
+                continue
+            changed = tuple([c for c in _COLUMNS if row[c] != old[c]])
+            if changed:
+                by_columns.setdefault(changed, []).append(row)
+        for columns, changed_rows in by_columns.items():  # one executemany per set of columns
+            Store._update_many(conn, columns, changed_rows)
+        if new:
+            conn.execute(insert(servers), new)
+
+    @staticmethod
+    def _update_many(conn, columns: tuple[str, ...], rows: list[dict]) -> None:
+        """Update ``columns`` of ``rows`` (by key) in one executemany."""
+        if conn.dialect.name == "sqlite":
+            # SQLite's own driver directly: SQLAlchemy's per-row parameter processing costs
+            # more than SQLite's update itself, on every row of every tick
+            sets = ", ".join(f'"{c}" = ?' for c in columns)
+            json_at = columns.index("last_sample") if "last_sample" in columns else -1
+            params = []
+            for row in rows:
+                values = [row[c] for c in columns]
+                if json_at >= 0:
+                    values[json_at] = json.dumps(values[json_at])  # as the JSON type stores it
+                values.append(row["key"])
+                params.append(tuple(values))
+            conn.exec_driver_sql(f'UPDATE servers SET {sets} WHERE "key" = ?', params)
+            return
+        where = servers.c.key == bindparam("b_key")
+        conn.execute(
+            update(servers).where(where),
+            [{"b_key": r["key"], **{c: r[c] for c in columns}} for r in rows],
+        )
+
     @contextmanager
     def batch(self, preload: bool = False) -> Iterator[Store]:
         """Hold :meth:`put` writes in memory and write them in one transaction at the end.
 
         A tick over thousands of servers would otherwise commit once per server (one
         disk sync each on SQLite). Inside a batch, :meth:`get` and :meth:`all` see the
-        held writes; :meth:`delete`, ``put(..., now=True)``, events and notifications
-        are written at once. With ``preload`` every row is read once up front and
-        :meth:`get` answers from memory (the service is the database's only writer).
+        held writes, and :meth:`add_event` events are held too (written before any
+        later event, so ids keep the order of the calls); :meth:`delete`,
+        ``put(..., now=True)``, :meth:`record_event` and notifications are written at once.
+        With ``preload`` :meth:`get` answers from memory: every row is read once, by the
+        first such batch, and kept up to date by this store's own writes (the service is
+        the database's only writer).
         The held writes are written even when the block raises. Nested batches join
         the outer one.
         """
@@ -224,13 +319,18 @@ class Store:
             return
         self._pending = {}
         if preload:
-            with self.engine.connect() as conn:
-                self._cache = {r.key: self._row_values(r) for r in conn.execute(select(servers))}
+            if self._rows is None:
+                with self.engine.connect() as conn:
+                    self._rows = {r.key: self._row_values(r) for r in conn.execute(select(servers))}
+            self._cache = self._rows
         try:
             yield self
         finally:
-            pending, self._pending, self._cache = self._pending, None, None
-            self._write_rows(list(pending.values()))
+            pending, self._pending, stored = self._pending, None, self._cache
+            try:
+                self._write_rows(list(pending.values()), events_too=True, stored=stored)
+            finally:
+                self._cache = None
 
     @staticmethod
     def _row_values(row) -> dict:
@@ -261,6 +361,8 @@ class Store:
             self._pending.pop(key, None)
         if self._cache is not None:
             self._cache.pop(key, None)
+        if self._rows is not None:
+            self._rows.pop(key, None)
         with self.engine.begin() as conn:
             conn.execute(delete(servers).where(servers.c.key == key))
 
@@ -275,18 +377,47 @@ class Store:
 
     # events
 
+    @staticmethod
+    def _event_row(key: str, kind: str, detail: dict, now: float | None) -> dict:
+        return {"time": time.time() if now is None else now, "key": key, "kind": kind,
+                "detail": dict(detail or {})}  # fmt: skip
+
+    def _take_events(self) -> list[dict]:
+        held, self._held_events = self._held_events, []
+        return held
+
     def record_event(self, key: str, kind: str, detail: dict, now: float | None = None) -> int:
         """Append an event (``state``, ``suspend``, ``suspend_failed``, ``restore``, ``warn``…).
 
-        Returns its id, which increases with every event (a stable ``event_ref``).
+        Returns its id, which increases with every event (a stable ``event_ref``). Events
+        held by :meth:`add_event` are written first, in the same transaction.
         """
-        row = {"time": time.time() if now is None else now, "key": key, "kind": kind}
+        held = self._take_events()
         with self.engine.begin() as conn:
-            result = conn.execute(insert(events), {**row, "detail": dict(detail or {})})
+            if held:
+                conn.execute(insert(events), held)
+            result = conn.execute(insert(events), self._event_row(key, kind, detail, now))
             return int(result.inserted_primary_key[0])
+
+    def add_event(self, key: str, kind: str, detail: dict, now: float | None = None) -> None:
+        """Append an event whose id the caller does not need.
+
+        Inside :meth:`batch` it is held and written with the batch's rows (a tick with
+        hundreds of state changes commits once, not once per change); outside, at once.
+        """
+        self._held_events.append(self._event_row(key, kind, detail, now))
+        if self._pending is None:
+            self._flush_events()
+
+    def _flush_events(self) -> None:
+        held = self._take_events()
+        if held:
+            with self.engine.begin() as conn:
+                conn.execute(insert(events), held)
 
     def events(self, key: str | None = None, limit: int = 50) -> list[dict]:
         """The newest ``limit`` events (of one server if ``key`` is given), newest first."""
+        self._flush_events()  # held ones too: readers see every event recorded so far
         q = select(events).order_by(events.c.id.desc()).limit(limit)
         if key is not None:
             q = q.where(events.c.key == key)

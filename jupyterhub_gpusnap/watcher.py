@@ -8,8 +8,10 @@ is logged, counted in metrics and recorded as an event the admin page shows.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from traitlets import Float, Integer
 from traitlets.config import LoggingConfigurable
@@ -25,6 +27,35 @@ from .store import Store
 
 # States in which a server is not running and the watcher keeps its record.
 OFFLINE = {State.suspended, State.suspending, State.restoring}
+# Sample fields exported as gpusnap_signal{signal=...}, in Watcher._export's order.
+_EXPORTED_SIGNALS = ("cpu", "gpu", "gpu_memory", "kernels_busy")
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Automatic garbage collection off for a tick, back on after it.
+
+    A tick over thousands of servers allocates a few hundred thousand objects, nearly all
+    freed by reference counting as they go. With collection on, every 700 allocations
+    start a collection, and every tick or two a full one walks every object the service
+    keeps (a metric child and a stored row per server: hundreds of thousands), which cost
+    a third of the tick's CPU. Cycles made meanwhile are collected after the tick, as usual.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _restamped(part: Sample, now: float) -> Sample:
+    """``Sample(time=now).merge(part)`` for a sample with nothing else set: a copy, cheaper."""
+    sample = object.__new__(Sample)
+    sample.__dict__.update(part.__dict__)
+    sample.time, sample.errors = now, dict(part.errors)
+    return sample
 
 
 
@@ -41,6 +72,28 @@ class Watcher(LoggingConfigurable):
     suspend_timeout = Float(
         1800,
         help="Seconds one suspension may take before it is given up (the server keeps running).",
+    ).tag(config=True)
+
+    min_free_gpu_memory = Integer(
+        0,
+        min=0,
+        help="""Bytes of memory to keep free on each GPU; 0 (the default) turns it off.
+        Each tick, on a GPU with less free memory than this, the service parks servers
+        holding memory on that GPU, the longest idle first, until the GPU has this much
+        free (the same make-room as the admin API, POST api/make-room). Only servers idle
+        by every signal for at least min_free_gpu_memory_idle are parked; active, busy,
+        exempt and kept-running servers never are. For GPUs shared by several servers,
+        e.g. 17179869184 (16 GiB) keeps room for an inference service. Needs NVML and a
+        driver with the CUDA checkpoint API (570+); without them it does nothing.""",
+    ).tag(config=True)
+
+    min_free_gpu_memory_idle = Float(
+        300,
+        min=0,
+        help="""Seconds a server must have been idle by every signal before
+        min_free_gpu_memory may park it (default 5 minutes), so that a user who just
+        paused is not parked at once. Independent of the rules' park_window, which parks
+        idle servers whether or not their GPU is short of memory.""",
     ).tag(config=True)
 
     def __init__(
@@ -68,11 +121,20 @@ class Watcher(LoggingConfigurable):
         self._inflight: dict[str, asyncio.Task] = {}
         self._cuda = None
         self._gauges: dict[str, dict] = {}  # per-server metric children (see _gauge)
+        self._exported: dict[str, tuple] = {}  # per-server values last set on them
         self._semaphore = asyncio.Semaphore(self.suspend_concurrency)
+        self._room_lock = asyncio.Lock()  # one make-room at a time (API and ticks)
+        self._short_gpus: set[int] = set()  # GPUs below min_free_gpu_memory with nothing to park
+        self._told_no_gpu = False
         self.ticks = 0
 
     # ----------------------------------------------------------------- the tick
     async def tick(self) -> None:
+        """List the running servers, read their signals, apply the policy, act; once."""
+        with _gc_paused():
+            await self._tick()
+
+    async def _tick(self) -> None:
         start = time.perf_counter()
         try:
             servers = await self.hub.list_servers()
@@ -92,23 +154,65 @@ class Watcher(LoggingConfigurable):
                     self.log.warning("signal %s prefetch failed: %s", source.name, e)
         # one read and one commit per tick instead of one of each per server
         with self.store.batch(preload=True):
-            await asyncio.gather(*(self.watch_server(s, now) for s in servers))
+            watched = [s for s in servers if s.key not in self._inflight]
+            samples = await self.read_all(watched, now)
+            await self.apply(watched, samples, now)
+            await self.keep_gpu_free()
         await self._reconcile_gone(running, now)
         metrics.set_state_counts(self.store.counts_by_state())
         self.ticks += 1
         metrics.LOOP_SECONDS.observe(time.perf_counter() - start)
 
     async def read_signals(self, server: Server, now: float) -> Sample:
-        sample = Sample(time=now, hub_last_activity=server.last_activity.timestamp() if server.last_activity else None)
-        if len(self.sources) == 1:  # the usual case: no gather, one task less per server
-            results = [await self.sources[0].sample(server, now)]
+        """One server's sample from every source (later sources win)."""
+        return (await self.read_all([server], now))[server.key]
+
+    async def read_all(self, servers: list[Server], now: float) -> dict[str, Sample]:
+        """Every server's sample, by key: the Hub's view merged with each source's reading.
+
+        Each source reads with as many workers as its ``concurrency`` allows, sources side
+        by side: the same parallelism as a task per server, without creating 10,000 tasks
+        (and semaphore waits) per tick.
+        """
+        keys = [s.key for s in servers]
+        hub = [s.last_activity.timestamp() if s.last_activity else None for s in servers]
+        if not servers or not self.sources:
+            return {k: Sample(time=now, hub_last_activity=h) for k, h in zip(keys, hub, strict=True)}
+        parts = await asyncio.gather(*(self._read_source(src, servers, now) for src in self.sources))
+        samples: dict[str, Sample] = {}
+        errors = 0
+        if len(parts) == 1:  # the usual case: the source's own sample, restamped, with the Hub's view
+            for key, last, part in zip(keys, hub, parts[0], strict=True):
+                sample = samples[key] = _restamped(part, now)
+                if sample.hub_last_activity is None:
+                    sample.hub_last_activity = last
+                errors += len(sample.errors)
         else:
-            results = await asyncio.gather(*(src.sample(server, now) for src in self.sources))
-        for part in results:
-            sample.merge(part)
-        if sample.errors:
-            metrics.FAILURES.labels(kind="signal").inc(len(sample.errors))
-        return sample
+            for i, key in enumerate(keys):
+                sample = samples[key] = Sample(time=now, hub_last_activity=hub[i])
+                for results in parts:
+                    sample.merge(results[i])
+                errors += len(sample.errors)
+        if errors:
+            metrics.FAILURES.labels(kind="signal").inc(errors)
+        return samples
+
+    @staticmethod
+    async def _read_source(source: SignalSource, servers: list[Server], now: float) -> list[Sample]:
+        """``source``'s sample of each of ``servers`` (same order), ``concurrency`` at a time."""
+        results: list[Sample] = [None] * len(servers)  # type: ignore[list-item]
+        todo = iter(enumerate(servers))
+
+        async def worker() -> None:
+            for i, server in todo:  # one shared iterator: each server is read once
+                results[i] = await source.sample(server, now)
+
+        workers = max(1, min(source.concurrency, len(servers)))
+        if workers == 1:
+            await worker()
+        else:
+            await asyncio.gather(*(worker() for _ in range(workers)))
+        return results
 
     def new_status(self, server: Server, now: float) -> ServerStatus:
         started = server.started.timestamp() if server.started else now
@@ -123,55 +227,78 @@ class Watcher(LoggingConfigurable):
         )
 
     async def watch_server(self, server: Server, now: float) -> None:
-        key = server.key
-        if key in self._inflight:
+        """One tick for one server: read its signals, apply the policy, act."""
+        if server.key in self._inflight:
             return  # a suspension of this server is under way
-        status = self.store.get(key)
-        if status is None:
-            status = self.new_status(server, now)
-        elif status.state == State.suspending:
-            # not in flight: a service restart interrupted it; the backend's recovery at start-up
-            # resumed the server (it is running), so it is simply active again
-            self.log.warning("%s: suspension was interrupted by a service restart; server is running", key)
-            self.store.record_event(key, "suspend_interrupted", {})
-            status.state, status.state_since, status.last_active = State.active, now, now
-        elif status.state in OFFLINE:
-            await self._returned(status, server, now)
-        sample = await self.read_signals(server, now)
-        # a keep-running or an exemption may have come in through the API while the signals were read
-        self._merge_keep(status)
-        self.samples[key] = sample
-        rule = self.policy.rule_for(server)
-        new, decision = step(status, sample, rule, now)
-        self.decisions[key] = decision
-        self._export(key, sample, decision)
-        if new.state != status.state:
-            self.log.info("%s: %s -> %s (%s)", key, status.state, new.state, decision.reason)
-            self.store.record_event(key, "state", {"from": str(status.state), "to": str(new.state), "reason": decision.reason})
-        self._merge_keep(new, now)
-        self.store.put(new)
-        if decision.action:
-            await self.act(decision.action, server, new, decision)
+        await self.apply([server], await self.read_all([server], now), now)
+
+    async def apply(self, servers: list[Server], samples: dict[str, Sample], now: float) -> None:
+        """Apply the policy to each server's fresh sample; store, export and act on the decisions."""
+        statuses: dict[str, ServerStatus] = {}
+        returned = []
+        keys = [s.key for s in servers]
+        for key, server in zip(keys, servers, strict=True):
+            if key in self._inflight:
+                continue  # a suspension started while the signals were read
+            status = self.store.get(key)
+            if status is None:
+                status = self.new_status(server, now)
+            elif status.state == State.suspending:
+                # not in flight: a service restart interrupted it; the backend's recovery at start-up
+                # resumed the server (it is running), so it is simply active again
+                self.log.warning("%s: suspension was interrupted by a service restart; server is running", key)
+                self.store.record_event(key, "suspend_interrupted", {})
+                status.state, status.state_since, status.last_active = State.active, now, now
+            elif status.state in OFFLINE:
+                returned.append(self._returned(status, server, now))
+            statuses[key] = status
+        if returned:
+            await asyncio.gather(*returned)
+        actions = []
+        for key, server in zip(keys, servers, strict=True):
+            status = statuses.get(key)
+            if status is None or key in self._inflight:
+                continue
+            sample = samples[key]
+            # a keep-running or an exemption may have come in through the API meanwhile
+            self._merge_keep(status)
+            self.samples[key] = sample
+            rule = self.policy.rule_for(server)
+            new, decision = step(status, sample, rule, now)
+            self.decisions[key] = decision
+            self._export(key, sample, decision)
+            if new.state != status.state:
+                self.log.info("%s: %s -> %s (%s)", key, status.state, new.state, decision.reason)
+                self.store.add_event(key, "state", {"from": str(status.state), "to": str(new.state), "reason": decision.reason})
+            self._merge_keep(new, now)
+            self.store.put(new)
+            if decision.action:
+                actions.append(self.act(decision.action, server, new, decision))
+        if actions:
+            await asyncio.gather(*actions)
 
     def _merge_keep(self, status: ServerStatus, now: float | None = None) -> None:
         """Take the stored keep-running time: the API's requests win over this tick's copy."""
-        latest = self.store.get(status.key)
-        if latest is None or latest.keep_until == status.keep_until:
+        keep_until = self.store.keep_until(status.key, missing=status.keep_until)
+        if keep_until == status.keep_until:
             return
-        if now is not None and latest.keep_until is not None and latest.keep_until <= now:
+        if now is not None and keep_until is not None and keep_until <= now:
             return  # expired: the policy just cleared it
-        status.keep_until = latest.keep_until
+        status.keep_until = keep_until
 
     def _export(self, key: str, sample: Sample, decision: Decision) -> None:
-        for signal, value in (
-            ("cpu", sample.cpu_percent),
-            ("gpu", sample.gpu_percent),
-            ("gpu_memory", sample.gpu_memory_bytes),
-            ("kernels_busy", sample.kernels_busy),
-        ):
-            if value is not None:
+        values = (sample.cpu_percent, sample.gpu_percent, sample.gpu_memory_bytes,
+                  sample.kernels_busy, decision.idle_seconds or 0)  # fmt: skip
+        last = self._exported.get(key)
+        if last == values:
+            return  # nothing moved: most servers on most ticks
+        self._exported[key] = values
+        for i, signal in enumerate(_EXPORTED_SIGNALS):
+            value = values[i]
+            if value is not None and (last is None or last[i] != value):
                 self._gauge(metrics.SIGNAL, key, signal).set(value)
-        self._gauge(metrics.IDLE_SECONDS, key).set(decision.idle_seconds or 0)
+        if last is None or last[4] != values[4]:
+            self._gauge(metrics.IDLE_SECONDS, key).set(values[4])
 
     def _gauge(self, metric, key: str, *labels: str):
         """The metric's child for ``key`` (and ``labels``), looked up once per server, not per tick."""
@@ -232,6 +359,7 @@ class Watcher(LoggingConfigurable):
             self.store.delete(status.key)
             metrics.forget_server(status.key)
             self._gauges.pop(status.key, None)
+            self._exported.pop(status.key, None)
             self.samples.pop(status.key, None)
             for source in self.sources:
                 forget = getattr(source, "forget", None)
@@ -330,7 +458,9 @@ class Watcher(LoggingConfigurable):
             self._cuda = CudaCheckpoint(parent=self)
         return self._cuda
 
-    async def park(self, server: Server, status: ServerStatus, unpark: bool = False, reason: str = ""):
+    async def park(
+        self, server: Server, status: ServerStatus, unpark: bool = False, reason: str = "", detail: dict | None = None
+    ):
         """Park (or unpark) a server's GPU memory; returns the ParkResult, or None if refused/failed."""
         from .park import park
         from .park import unpark as do_unpark
@@ -353,38 +483,119 @@ class Watcher(LoggingConfigurable):
             return None
         metrics.ACTION_SECONDS.labels(action=action).observe(time.perf_counter() - t0)
         metrics.ACTIONS.labels(action=action, result="ok").inc()
-        detail = {"bytes": result.bytes_moved, "seconds": round(result.seconds, 3), "pids": result.pids}
+        event = {"bytes": result.bytes_moved, "seconds": round(result.seconds, 3), "pids": result.pids}
         if reason:
-            detail["reason"] = reason
-        self.store.record_event(server.key, action, detail)
+            event["reason"] = reason
+        event.update(detail or {})
+        self.store.record_event(server.key, action, event)
         return result
 
-    async def make_room(self, nbytes: int) -> dict:
+    @property
+    def nvml(self):
+        """NVML as the CUDA checkpoint layer uses it (GPU free memory and per-process memory)."""
+        cuda = self.cuda
+        if cuda.nvml is None:
+            from .signals.nvml import Nvml
+
+            cuda.nvml = Nvml()
+        return cuda.nvml
+
+    def _room_candidates(self, now: float, min_idle: float) -> list[tuple[float, str, Server, ServerStatus]]:
+        """Servers make-room may park: idle by every signal for ``min_idle`` s, holding GPU memory."""
+        out = []
+        with self.store.batch(preload=True):  # one read of every row (joins a tick's batch)
+            for key, server in self.servers.items():
+                status = self.store.get(key)
+                if status is None or status.state not in (State.idle, State.warned) or key in self._inflight:
+                    continue
+                held = (status.last_sample or {}).get("gpu_memory_bytes") or 0
+                idle_since = max(status.last_active, status.started, status.restored_at or 0.0)
+                if held > 0 and now - idle_since >= min_idle:
+                    out.append((status.last_active, key, server, status))
+        out.sort(key=lambda c: (c[0], c[1]))
+        return out
+
+    def _held_on(self, gpu: int, servers: list[Server]) -> dict[str, int]:
+        """GPU memory each of ``servers`` holds on device ``gpu`` (blocking NVML: call in a thread)."""
+        pids_of = {s.key: tree_pids(s.pid) for s in servers}
+        per_pid = self.nvml.process_memory([p for pids in pids_of.values() for p in pids]).get(gpu, {})
+        return {key: sum(per_pid.get(p, 0) for p in pids) for key, pids in pids_of.items()}
+
+    async def make_room(self, nbytes: int, gpu: int | None = None, min_idle: float = 0.0,
+                        trigger: str = "api") -> dict:  # fmt: skip
         """Park idle servers, the longest idle first, until ``nbytes`` of GPU memory are freed.
 
-        Only servers idle by every signal (``idle`` or ``warned``) that hold GPU memory are
-        candidates; active, exempt and kept-running servers are never parked.
+        Only servers idle by every signal (``idle`` or ``warned``) for at least ``min_idle``
+        seconds that hold GPU memory are candidates; active, exempt and kept-running servers
+        are never parked, and a server whose GPU is busy refuses (the driver lock times
+        out). With ``gpu`` (a device index) only servers holding memory on that GPU count,
+        and only their bytes on it. ``trigger`` (api, min_free_gpu_memory) labels the
+        metrics and the park events.
         """
-        candidates = []
-        for key, server in self.servers.items():
-            status = self.store.get(key)
-            if status is None or status.state not in (State.idle, State.warned) or key in self._inflight:
+        async with self._room_lock:
+            candidates = self._room_candidates(self.clock(), min_idle)
+            on_gpu = None
+            if gpu is not None and candidates:
+                on_gpu = await asyncio.to_thread(self._held_on, gpu, [c[2] for c in candidates])
+                candidates = [c for c in candidates if on_gpu.get(c[1])]
+            where = f" on GPU {gpu}" if gpu is not None else ""
+            freed, parked = 0, []
+            for _, key, server, status in candidates:
+                if freed >= nbytes:
+                    break
+                detail = {"trigger": trigger} if gpu is None else {"trigger": trigger, "gpu": gpu}
+                result = await self.park(server, status, reason=f"make room for {nbytes} bytes{where}", detail=detail)
+                if result is not None and result.bytes_moved:
+                    freed += on_gpu[key] if on_gpu is not None else result.bytes_moved
+                    parked.append(key)
+                    self._set_state(status, State.parked, f"parked to make room on the GPU ({trigger})")
+            enough = freed >= nbytes
+            metrics.MAKE_ROOM.labels(trigger=trigger, result="enough" if enough else "short").inc()
+            if freed:
+                metrics.MAKE_ROOM_BYTES.labels(trigger=trigger).inc(freed)
+            if parked or trigger == "api":
+                self.log.info("make room for %d bytes%s (%s): freed %d by parking %s", nbytes, where, trigger,
+                              freed, ", ".join(parked) or "nothing")  # fmt: skip
+            result = {"requested_bytes": nbytes, "freed_bytes": freed, "parked": parked, "enough": enough}
+            if gpu is not None:
+                result["gpu"] = gpu
+            return result
+
+    async def keep_gpu_free(self) -> list[dict]:
+        """Make room on each GPU with less free memory than :attr:`min_free_gpu_memory`.
+
+        Called once per tick; returns the make-room result of each GPU that was short.
+        Does nothing when the setting is 0, or without NVML or the driver's checkpoint API.
+        """
+        target = self.min_free_gpu_memory
+        if target <= 0:
+            return []
+        free = await asyncio.to_thread(self.nvml.device_memory_free) if self.cuda.available() else []
+        if not free:
+            if not self._told_no_gpu:
+                self._told_no_gpu = True
+                why = self.nvml.reason if self.cuda.available() else self.cuda.reason
+                self.log.info("min_free_gpu_memory is set but GPU memory cannot be freed here (%s)", why or "no GPU")
+            return []
+        results = []
+        for gpu, have in enumerate(free):
+            metrics.GPU_FREE_BYTES.labels(gpu=str(gpu)).set(have)
+            if have >= target:
+                if gpu in self._short_gpus:
+                    self._short_gpus.discard(gpu)
+                    self.log.info("GPU %d: %d bytes free, min_free_gpu_memory %d met again", gpu, have, target)
                 continue
-            held = (status.last_sample or {}).get("gpu_memory_bytes") or 0
-            if held > 0:
-                candidates.append((status.last_active, key, server, status))
-        candidates.sort(key=lambda c: (c[0], c[1]))
-        freed, parked = 0, []
-        for _, key, server, status in candidates:
-            if freed >= nbytes:
-                break
-            result = await self.park(server, status, reason=f"make room for {nbytes} bytes")
-            if result is not None and result.bytes_moved:
-                freed += result.bytes_moved
-                parked.append(key)
-                self._set_state(status, State.parked, "parked to make room on the GPU")
-        self.log.info("make room for %d bytes: freed %d by parking %s", nbytes, freed, parked or "nothing")
-        return {"requested_bytes": nbytes, "freed_bytes": freed, "parked": parked, "enough": freed >= nbytes}
+            result = await self.make_room(target - have, gpu=gpu, min_idle=self.min_free_gpu_memory_idle,
+                                          trigger="min_free_gpu_memory")  # fmt: skip
+            results.append(result)
+            if not result["enough"] and gpu not in self._short_gpus:
+                self._short_gpus.add(gpu)  # said once per shortage, not every tick
+                self.log.warning(
+                    "GPU %d: %d bytes free, below min_free_gpu_memory %d, and no other server idle for "
+                    "min_free_gpu_memory_idle (%gs) holds memory on it",
+                    gpu, have + result["freed_bytes"], target, self.min_free_gpu_memory_idle,
+                )  # fmt: skip
+        return results
 
     def _set_state(self, status: ServerStatus, state: State, reason: str, event: tuple[str, dict] | None = None) -> None:
         now = self.clock()

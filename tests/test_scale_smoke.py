@@ -21,8 +21,12 @@ for p in (ROOT, ROOT / "bench"):
         sys.path.insert(0, str(p))
 
 import scale  # noqa: E402  (bench/scale.py)
+from test_cuda_absent import FakeLibcuda  # noqa: E402
+from test_make_room import SharedGpus, U, metric  # noqa: E402
 
+from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint  # noqa: E402
 from jupyterhub_gpusnap.model import State  # noqa: E402
+from jupyterhub_gpusnap.signals.nvml import Nvml  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
@@ -86,4 +90,22 @@ async def test_tick_is_paginated_and_decides_every_server(population, tmp_path):
     await watcher.tick()
     assert client.requests == 1
     assert set(watcher.decisions) == keys
+
+    # min_free_gpu_memory is checked every tick: a GPU short of memory (held by a process
+    # that is no server's; the stand-ins hold none) is reported, and nothing is parked
+    driver = FakeLibcuda([])
+    gpus = SharedGpus(
+        driver, [{"name": "NVIDIA H100", "procs": {}, "other": 78 * U, "samples": [], "util": 0}]
+    )
+    watcher._cuda = CudaCheckpoint(driver=driver, nvml=Nvml(gpus), log=watcher.log)
+    watcher.min_free_gpu_memory = 4 * U
+    short = metric("gpusnap_make_room_total", trigger="min_free_gpu_memory", result="short")
+    await watcher.tick()
+    assert metric("gpusnap_gpu_free_bytes", gpu="0") == 2 * U
+    assert (
+        metric("gpusnap_make_room_total", trigger="min_free_gpu_memory", result="short")
+        == short + 1
+    )
+    assert driver.calls == []  # no server held memory on it: nothing to park
+    assert State.parked not in {s.state for s in watcher.store.all()}
     watcher.store.close()

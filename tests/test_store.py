@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import stat
 import threading
 import time
@@ -242,3 +243,37 @@ def test_keys_lists_stored_and_held_rows(store):
         assert store.keys() == ["a/x", "b/"]
     store.delete("b/")
     assert store.keys() == ["a/x"]
+
+
+def test_batches_write_what_changed_and_keep_the_order_of_events(tmp_path):
+    """A preloading batch updates only changed columns, against rows it keeps between batches."""
+    url = f"sqlite:///{tmp_path / 'batch.sqlite'}"
+    with Store(url) as a, Store(url) as other:
+        alice, bob = full_status("alice/"), full_status("bob/", state=State.idle)
+        with a.batch(preload=True):
+            a.put(alice)
+            a.put(bob)
+        assert other.get("alice/") == alice and other.get("bob/") == bob
+        later = dataclasses.replace(
+            alice,
+            state=State.warned,
+            last_sample={"time": T0 + 60, "errors": {"jupyter": "timeout"}},
+        )
+        with a.batch(preload=True):
+            a.put(later)
+            a.put(bob)  # unchanged
+            a.add_event("alice/", "state", {"to": "warned"}, now=T0)
+            warn = a.record_event("alice/", "warn", {}, now=T0)  # written now: the held one first
+            a.add_event("bob/", "state", {"to": "idle"}, now=T0)
+            assert [e["kind"] for e in a.events(limit=3)] == ["state", "warn", "state"]
+            assert other.get("alice/") == alice  # the rows are held until the end
+        assert other.get("alice/") == later and other.get("bob/") == bob
+        kinds = [(e["key"], e["kind"]) for e in reversed(other.events())]
+        assert kinds == [("alice/", "state"), ("alice/", "warn"), ("bob/", "state")]
+        assert other.events()[1]["id"] == warn
+        # what the store kept between batches is what the database holds
+        with a.batch(preload=True):
+            assert a.get("alice/") == other.get("alice/") and a.get("bob/") == other.get("bob/")
+        a.delete("bob/")
+        with a.batch(preload=True):
+            assert a.get("bob/") is None and a.keep_until("bob/", missing=-1.0) == -1.0

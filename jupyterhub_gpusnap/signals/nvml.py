@@ -115,6 +115,12 @@ class Nvml:
             return []
         return [int(self._module.nvmlDeviceGetMemoryInfo(h).total) for h in self._handles]
 
+    def device_memory_free(self) -> list[int]:
+        """Free memory (bytes) of each GPU, by device index; [] without NVML."""
+        if not self.open():
+            return []
+        return [int(self._module.nvmlDeviceGetMemoryInfo(h).free) for h in self._handles]
+
     def process_memory(self, pids: list[int]) -> dict[int, dict[int, int]]:
         """GPU memory held by each of ``pids``, per device index: ``{device: {pid: bytes}}``.
 
