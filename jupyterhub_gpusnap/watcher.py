@@ -119,6 +119,7 @@ class Watcher(LoggingConfigurable):
         self.samples: dict[str, Sample] = {}
         self.decisions: dict[str, Decision] = {}
         self._inflight: dict[str, asyncio.Task] = {}
+        self._due: list[tuple[float, str, Server, bool, str]] = []  # suspensions decided this tick
         self._cuda = None
         self._gauges: dict[str, dict] = {}  # per-server metric children (see _gauge)
         self._exported: dict[str, tuple] = {}  # per-server values last set on them
@@ -276,6 +277,7 @@ class Watcher(LoggingConfigurable):
                 actions.append(self.act(decision.action, server, new, decision))
         if actions:
             await asyncio.gather(*actions)
+        self._start_due()
 
     def _merge_keep(self, status: ServerStatus, now: float | None = None) -> None:
         """Take the stored keep-running time: the API's requests win over this tick's copy."""
@@ -310,15 +312,20 @@ class Watcher(LoggingConfigurable):
 
     async def _returned(self, status: ServerStatus, server: Server, now: float) -> None:
         """A suspended server is running again: it was restored, or started fresh after a failed restore."""
-        info = None
+        info, gone = None, False
         if self.backend is not None and status.checkpoint_id:
             try:
                 info = await self.backend.get(status.checkpoint_id)
+                gone = info is None
             except Exception as e:
                 self.log.warning("%s: could not read checkpoint %s: %s", status.key, status.checkpoint_id, e)
-        restored = info is None or info.status != "failed"
+        # a checkpoint that is gone (e.g. its manifest was deleted) was not restored: the
+        # spawner started a fresh server
+        restored = not gone and (info is None or info.status != "failed")
         kind = "restore" if restored else "restore_failed"
         detail = {"checkpoint": status.checkpoint_id}
+        if gone:
+            detail["error"] = f"checkpoint {status.checkpoint_id} is gone (no readable manifest); started fresh"
         if info is not None:
             detail.update(image_bytes=info.image_bytes, gpu_bytes=info.gpu_bytes, error=info.error,
                           restore_s=info.extra.get("restore_s"))
@@ -336,7 +343,7 @@ class Watcher(LoggingConfigurable):
         status.reason = "restored from snapshot" if restored else "restore failed: started fresh"
         status.started = server.started.timestamp() if server.started else now
         if not restored:
-            status.failure = info.error if info else "restore failed"
+            status.failure = info.error if info else detail["error"]
         await self._notify("restored" if restored else "restore_failed", status, str(event), detail)
 
     async def _reconcile_gone(self, running: dict[str, Server], now: float) -> None:
@@ -374,9 +381,17 @@ class Watcher(LoggingConfigurable):
             await self._notify("warning", status, str(event), {"suspend_at": decision.suspend_at,
                                                                "idle_seconds": decision.idle_seconds})
         elif action in ("suspend", "stop"):
-            self.start_suspend(server, plain_stop=(action == "stop"), reason=decision.reason)
+            # started once the tick has seen every server, the longest idle first
+            self._due.append((-decision.idle_seconds, server.key, server, action == "stop", decision.reason))
         elif action in ("park", "unpark"):
             await self.park(server, status, unpark=(action == "unpark"))
+
+    def _start_due(self) -> None:
+        """Start this tick's suspensions, the longest idle first: with more due than
+        suspend_concurrency, the one idle longest never waits behind newer ones."""
+        due, self._due = sorted(self._due, key=lambda d: d[:2]), []
+        for _, _, server, plain_stop, reason in due:
+            self.start_suspend(server, plain_stop=plain_stop, reason=reason)
 
     def start_suspend(self, server: Server, plain_stop: bool = False, reason: str = "idle") -> asyncio.Task | None:
         """Suspend a server in the background (bounded by suspend_concurrency)."""
@@ -466,10 +481,15 @@ class Watcher(LoggingConfigurable):
         from .park import unpark as do_unpark
 
         action = "unpark" if unpark else "park"
-        pids = tree_pids(server.pid)
+        # a backend whose servers run elsewhere (Kubernetes: the node agent) parks them itself
+        remote = getattr(self.backend, "park", None) if self.backend is not None else None
         t0 = time.perf_counter()
         try:
-            result = await (do_unpark(pids, self.cuda) if unpark else park(pids, self.cuda))
+            if remote is not None:
+                result = await remote(server, unpark=unpark)
+            else:
+                pids = tree_pids(server.pid)
+                result = await (do_unpark(pids, self.cuda) if unpark else park(pids, self.cuda))
         except CheckpointRefused as e:
             metrics.ACTIONS.labels(action=action, result="refused").inc()
             self.log.info("%s: %s refused: %s", server.key, action, e)

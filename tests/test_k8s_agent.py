@@ -34,9 +34,12 @@ from jupyterhub_gpusnap.agent.pods import CpuMeter, parse_cgroup, parse_cpu_stat
 from jupyterhub_gpusnap.checkpoint import CheckpointError, CheckpointRefused
 from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
 from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
-from jupyterhub_gpusnap.model import Server
+from jupyterhub_gpusnap.model import Server, State
+from jupyterhub_gpusnap.policy import Policy, Rule, ServerStatus
 from jupyterhub_gpusnap.signals.agent import AgentSignal
 from jupyterhub_gpusnap.signals.nvml import Nvml
+from jupyterhub_gpusnap.store import Store
+from jupyterhub_gpusnap.watcher import Watcher
 
 pytestmark = pytest.mark.k8s
 
@@ -719,6 +722,19 @@ async def test_backend_parks_and_unparks_a_pods_gpu_memory_through_the_agent(tmp
         back = await backend.park(alice(), unpark=True)
         assert back.pids == [work.pid] and libcuda.states[work.pid] == RUNNING
         assert work.alive()
+
+        # the service's watcher parks through the backend (it has no GPU of its own here)
+        store = Store("sqlite://")
+        watcher = Watcher(
+            hub=None, store=store, policy=Policy([], Rule()), sources=[], backend=backend
+        )
+        status = ServerStatus(key="alice/", user="alice", state=State.idle)
+        result = await watcher.park(alice(), status, reason="test")
+        assert result.bytes_moved == 3 << 30 and libcuda.states[work.pid] == CHECKPOINTED
+        (event,) = [e for e in store.events("alice/") if e["kind"] == "park"]
+        assert event["detail"]["bytes"] == 3 << 30 and event["detail"]["pids"] == [work.pid]
+        await watcher.park(alice(), status, unpark=True)
+        assert libcuda.states[work.pid] == RUNNING
     finally:
         work.stop()
         await cluster.stop()
