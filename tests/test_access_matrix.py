@@ -120,6 +120,7 @@ API_CASES = [
     ),
     Case("GET", "api/events", READERS),
     Case("POST", "api/make-room", ADMINS, body={"bytes": 1024}),
+    Case("POST", "api/make-room", ADMINS, body={"bytes": 1024, "gpu": 0}),
     Case("GET", "api/events?server=alice/", READ_SERVER),
     Case("GET", "api/events?server=alice/lab&limit=5", READ_SERVER),
     Case("GET", "metrics", READERS),

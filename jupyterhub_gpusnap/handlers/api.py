@@ -194,4 +194,7 @@ class MakeRoomHandler(APIHandler):
         nbytes = body.get("bytes")
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise web.HTTPError(400, "'bytes' must be a positive integer, e.g. {\"bytes\": 17179869184} for 16 GiB")
-        self.write_json(await self.gpusnap.watcher.make_room(nbytes))
+        gpu = body.get("gpu")
+        if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0):
+            raise web.HTTPError(400, "'gpu' must be a GPU index (0, 1, …) as nvidia-smi numbers them, or left out")
+        self.write_json(await self.gpusnap.watcher.make_room(nbytes, gpu=gpu))
