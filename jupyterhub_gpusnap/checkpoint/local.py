@@ -204,8 +204,8 @@ class LocalBackend(CheckpointBackend):
 
     hash_threads = Integer(
         0,
-        help="""Threads that checksum image files (at checkpoint and at restore). 0: one per
-        CPU (os.cpu_count()). Hashing a 10 GB image takes about 10 CPU-seconds; lower this
+        help="""Threads that checksum image files (at checkpoint and at restore) and, with
+        storage = 'chunks', compress, encrypt and unpack chunks. 0: one per CPU (os.cpu_count()). Hashing a 10 GB image takes about 10 CPU-seconds; lower this
         on a hub whose cores are busy with other servers, at the cost of slower suspends.""",
     ).tag(config=True)
 
