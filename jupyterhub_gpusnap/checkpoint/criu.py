@@ -257,7 +257,7 @@ async def restore(
     deadline = time.monotonic() + timeout
     while True:
         status = proc.poll()
-        pid = _read_pid(pidfile)
+        pid = read_pidfile(pidfile)
         if pid and status is None and _finished(log):
             return Restored(pid=pid, criu=proc, log=log)
         if status is not None:
@@ -300,7 +300,8 @@ def _finished(log: Path) -> bool:
         return False
 
 
-def _read_pid(pidfile: Path) -> int | None:
+def read_pidfile(pidfile: Path) -> int | None:
+    """The pid CRIU wrote to ``--pidfile`` (None if absent or not a number)."""
     try:
         text = pidfile.read_text().strip()
     except OSError:

@@ -995,6 +995,9 @@ class LocalBackend(CheckpointBackend):
         key = server_key(m.user, m.server)
         if m.status != "verified":
             raise CheckpointError(f"{key}: checkpoint {info.id} is {m.status}, not verified")
+        adopted = await self._adopt(folder, m, key, info.id)
+        if adopted is not None:
+            return adopted
         await self._require_criu()
         if m.cuda_pids and self.cuda() is not None:
             try:
@@ -1053,6 +1056,46 @@ class LocalBackend(CheckpointBackend):
         finally:
             if m.storage == "chunks":
                 self._unstage(folder, images)
+
+    async def _adopt(self, folder: Path, m: Manifest, key: str, cid: str) -> tuple[int, str, int] | None:
+        """The server an interrupted restore of this checkpoint left running, if any.
+
+        A restore whose caller died (the Hub killed after CRIU started) leaves CRIU to finish
+        on its own: the tree runs, nobody knows it, and restoring again would clash with it.
+        If ``restore.pid`` names a live process started after the checkpoint and listening on
+        the checkpoint's port, it is that server: it is checked like any restore (every
+        checksum; its GPU memory resumed) and handed out instead of a second copy.
+        """
+        pid = criu.read_pidfile(folder / "restore.pid")
+        if not pid or not is_alive(pid):
+            return None
+        try:
+            if psutil.Process(pid).create_time() < m.created:
+                return None  # the pid was reused by something older
+        except psutil.Error:
+            return None
+        if listen_address(pid)[1] != m.port:
+            return None
+        self.log.warning("%s: adopting pid %s, left running by an interrupted restore of %s", key, pid, cid)
+        problems = []
+        if m.storage == "files":
+            problems = await asyncio.to_thread(
+                verify_image, folder, m.files, chunk_bytes=m.chunk_bytes, sizes=m.sizes, pool=self.pool
+            )
+        try:
+            if problems:
+                raise CheckpointError(f"{key}: image {cid} is damaged: " + "; ".join(problems[:5]))
+            if m.cuda_pids and self.cuda() is not None:
+                await self.cuda().resume(tree_pids(pid))
+        except BaseException:
+            await self.kill_tree(tree_pids(pid))
+            raise
+        m.status = "restored"
+        m.restored_at = time.time()
+        m.extra["restored_pid"] = pid
+        m.extra["adopted"] = True
+        m.save(folder)
+        return pid, m.ip, m.port
 
     def _staging(self, folder: Path, nbytes: int, key: str) -> Path:
         """Where a chunk image is unpacked for CRIU: a new root-only folder in
