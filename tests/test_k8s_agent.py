@@ -738,3 +738,41 @@ async def test_backend_parks_and_unparks_a_pods_gpu_memory_through_the_agent(tmp
     finally:
         work.stop()
         await cluster.stop()
+
+
+async def test_agent_restarted_after_dying_mid_checkpoint_gives_the_gpu_memory_back(tmp_path):
+    """The agent froze a pod's GPU memory for a checkpoint and died before it ended (during
+    the upload, say): the server runs on, so a restarted agent resumes that GPU memory and
+    deletes the half-shipped archive before it serves anything."""
+    cluster = Cluster(tmp_path)
+    await cluster.start(AgentApp__restore_dir=str(tmp_path / "restore"))
+    work = Workload(tmp_path).start()
+    try:
+        await work.wait_lines(1)
+        pod = cluster.add_user_pod("alice", work)
+        cid = pod["status"]["containerStatuses"][0]["containerID"].split("://")[1]
+        cluster.tree.add_pod_process(work.pid, pod["metadata"]["uid"], cid)
+        libcuda = FakeLibcuda([work.pid])
+        give_node_gpus(cluster, libcuda, [H100], held={0: {work.pid: 2 << 30}})
+        agent = cluster.agent
+        # the state a crash mid-upload leaves: GPU memory frozen, its record, the archive
+        await agent.cuda.suspend([work.pid])
+        assert libcuda.states[work.pid] == CHECKPOINTED
+        agent._mark_in_progress("jhub", "jupyter-alice", "notebook", [work.pid])
+        archive = (
+            cluster.kube.checkpoints
+            / "checkpoint-jupyter-alice_jhub-notebook-2026-11-23T01:00:00Z.tar"
+        )
+        archive.write_bytes(b"half an archive")
+
+        await agent.stop_server()
+        await agent.start_server()  # the agent's pod restarted
+
+        assert libcuda.states[work.pid] == RUNNING and work.alive()
+        assert not archive.exists()
+        assert not list(agent.in_progress_dir.glob("*"))
+        code, _ = await cluster.agent_call("GET", "/healthz")
+        assert code == 200
+    finally:
+        work.stop()
+        await cluster.stop()

@@ -21,8 +21,10 @@ request carries ``Authorization: Bearer <token>``; errors are
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
+import json
 import os
 import re
 import time
@@ -316,6 +318,7 @@ class AgentApp(Application):
                 500,
             )
         self._criu = await criu_tools.criu_version(self.criu_path)
+        await self.resume_interrupted()
         self.server = HTTPServer(self.make_app())
         self.server.listen(self.port, self.ip)
         if self.port == 0:
@@ -329,6 +332,50 @@ class AgentApp(Application):
             self.nvml.driver_version(),
         )
         return self.server
+
+    @property
+    def in_progress_dir(self) -> Path:
+        """Records of checkpoints under way (on the restore_dir hostPath: they outlive the agent)."""
+        return Path(self.restore_dir) / ".in-progress"
+
+    def _mark_in_progress(self, ns: str, name: str, container: str, pids: list[int]) -> Path | None:
+        """Record the pids whose GPU memory a checkpoint froze, until it ends either way."""
+        if not pids:
+            return None
+        self.in_progress_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        marker = self.in_progress_dir / f"{ns}_{name}.json"
+        record = {"namespace": ns, "pod": name, "container": container, "pids": pids, "started": time.time()}
+        marker.write_text(json.dumps(record))
+        return marker
+
+    async def resume_interrupted(self) -> list[int]:
+        """After a crash: give back the GPU memory of pods whose checkpoint the agent was
+        taking when it died (their servers run on, so their GPU work must not stay frozen);
+        delete the half-shipped archives. Returns the pids resumed."""
+        resumed: list[int] = []
+        if not self.in_progress_dir.is_dir():
+            return resumed
+        for marker in sorted(self.in_progress_dir.glob("*.json")):
+            try:
+                record = json.loads(marker.read_text())
+                pids = [int(p) for p in record["pids"]]
+                ns, name, container = record["namespace"], record["pod"], record["container"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                self.log.error("unreadable checkpoint record %s (%s): left for an admin", marker, e)
+                continue
+            try:
+                done = await self.cuda.resume(pids)
+            except CheckpointError as e:
+                self.log.error("%s/%s: GPU memory of an interrupted checkpoint not resumed: %s", ns, name, e)
+                continue
+            resumed += done
+            self.log.warning(
+                "%s/%s: the agent stopped during its checkpoint; GPU memory of pids %s resumed, "
+                "the server runs on", ns, name, done,
+            )  # fmt: skip
+            sweep_archives(Path(self.checkpoint_dir), ns, name, container, self.log)
+            marker.unlink(missing_ok=True)
+        return resumed
 
     async def stop_server(self) -> None:
         self._restored = [r for r in self._restored if r.reap() is None]
@@ -530,6 +577,7 @@ class AgentApp(Application):
                 409,
             )
         suspended = await self.cuda.suspend(gpu_pids) if gpu_pids else []
+        marker = self._mark_in_progress(ns, name, container, suspended)
         archive: Path | None = None
         try:
             gpu = await asyncio.to_thread(self._gpu_needs, held, suspended)
@@ -571,6 +619,10 @@ class AgentApp(Application):
             )
             raise
         finally:
+            if marker is not None:
+                marker.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    marker.parent.rmdir()  # only once no other checkpoint is under way
             if archive is not None:
                 delete_local(archive, self.log)
             # archives a timed-out kubelet call finished writing later
