@@ -132,7 +132,15 @@ async def kernel(jupyter):
     client.load_connection_file()
     client.start_channels(hb=False)  # a missed heartbeat on a loaded machine is no death
     try:
-        await client.wait_for_ready(timeout=30)  # kernel_info: the server now knows it is idle
+        await client.wait_for_ready(timeout=30)
+        # The server learns the kernel's state from its own iopub subscription, which may
+        # join after the kernel_info's "idle" went out (ZMQ's slow joiner, seen on a loaded
+        # machine): ask again until the server's view is idle, as a browser tab's requests would.
+        deadline = time.monotonic() + 30
+        while jupyter.api("GET", f"api/kernels/{model['id']}")["execution_state"] != "idle":
+            assert time.monotonic() < deadline, "the server never saw the new kernel idle"
+            await client.kernel_info(reply=True, timeout=10)
+            await asyncio.sleep(0.2)
         yield model["id"], client
     finally:
         client.stop_channels()
