@@ -48,6 +48,8 @@ from tornado import web
 from tornado.httpserver import HTTPServer
 from tornado.iostream import StreamClosedError
 
+from jupyterhub_gpusnap.agent.pods import container_id
+
 CRIU = shutil.which("criu") or "/usr/local/sbin/criu"
 KUBELET_DIR = "/var/lib/kubelet/checkpoints"
 SCHEMA_DIR = (
@@ -261,7 +263,7 @@ class SandboxContainer:
 
     def __init__(self, pod: dict):
         uid = pod["metadata"]["uid"]
-        cid = pod["status"]["containerStatuses"][0]["containerID"].partition("://")[2]
+        cid = container_id(pod["status"]["containerStatuses"][0]["containerID"])
         self.mount = cgroup2_mount()
         self.pod_dir = (
             self.mount
@@ -1483,6 +1485,19 @@ class Cluster:
             labels={"component": "singleuser-server", "hub.jupyter.org/username": user},
             annotations=annotations,
         )
+
+    async def restore_into(
+        self, image: str, container: str = "notebook", pod: str = "jupyter-alice"
+    ) -> tuple[int, dict]:
+        """``POST /v1/restore`` of ``image`` into ``jhub/<pod>``'s ``container``."""
+        body = {"namespace": "jhub", "pod": pod, "container": container, "image": image}
+        return await self.agent_call("POST", "/v1/restore", body)
+
+    def map_process(self, pod: dict, pid: int, usage_usec: int = 0) -> None:
+        """Make ``pid`` a process of ``pod``'s first container, as the node's /proc and
+        cgroup tree show it to the agent."""
+        status_id = pod["status"]["containerStatuses"][0]["containerID"]
+        self.tree.add_pod_process(pid, pod["metadata"]["uid"], container_id(status_id), usage_usec)
 
     async def stop(self) -> None:
         if self.agent is not None:

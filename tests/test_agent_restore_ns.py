@@ -80,16 +80,7 @@ async def test_restore_joins_the_placeholders_namespaces_and_cgroup(tmp_path):
         sandbox = SandboxContainer(placeholder_pod(cluster, shipped.id)).start()
         assert ns_of(sandbox.pid) not in (ns_of("self"), dumped_ns)
 
-        code, body = await cluster.agent_call(
-            "POST",
-            "/v1/restore",
-            {
-                "namespace": "jhub",
-                "pod": "jupyter-alice",
-                "container": "notebook",
-                "image": shipped.id,
-            },
-        )
+        code, body = await cluster.restore_into(shipped.id)
         assert code == 200, body
         restored = body["pid"]
         assert restored == work.pid  # CRIU restores the same PID
@@ -131,44 +122,17 @@ async def test_restore_waits_for_a_running_placeholder_and_fetches_nothing(tmp_p
     try:
         # the placeholder pod exists but none of its processes runs on this node
         placeholder_pod(cluster, "/nowhere/alice.tar")
-        code, body = await cluster.agent_call(
-            "POST",
-            "/v1/restore",
-            {
-                "namespace": "jhub",
-                "pod": "jupyter-alice",
-                "container": "notebook",
-                "image": "/nowhere/alice.tar",
-            },
-        )
+        code, body = await cluster.restore_into("/nowhere/alice.tar")
         assert code == 409, body
         assert "no process of container notebook (pod jhub/jupyter-alice)" in body["error"]
         assert "hostPID" in body["fix"]
         # a container that does not exist in the pod is named as such
-        code, body = await cluster.agent_call(
-            "POST",
-            "/v1/restore",
-            {
-                "namespace": "jhub",
-                "pod": "jupyter-alice",
-                "container": "lab",
-                "image": "/nowhere/alice.tar",
-            },
-        )
+        code, body = await cluster.restore_into("/nowhere/alice.tar", container="lab")
         assert code == 409 and "container lab of placeholder pod" in body["error"]
         assert "placeholder_command" in body["fix"]
         # a pod that is not the placeholder of this image (a user's running server) is
         # never restored into
-        code, body = await cluster.agent_call(
-            "POST",
-            "/v1/restore",
-            {
-                "namespace": "jhub",
-                "pod": "jupyter-alice",
-                "container": "notebook",
-                "image": "/nowhere/bob.tar",
-            },
-        )
+        code, body = await cluster.restore_into("/nowhere/bob.tar")
         assert code == 409 and "is not a placeholder for /nowhere/bob.tar" in body["error"]
         cluster.add_user_pod("carol")
         code, body = await cluster.agent_call(

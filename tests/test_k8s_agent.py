@@ -30,7 +30,7 @@ from registry import Registry
 from test_cuda_absent import CHECKPOINTED, RUNNING, FakeLibcuda, FakeNvmlLib
 from tornado.httpclient import AsyncHTTPClient
 
-from jupyterhub_gpusnap.agent.pods import CpuMeter, parse_cgroup, parse_cpu_stat
+from jupyterhub_gpusnap.agent.pods import CpuMeter, container_id, parse_cgroup, parse_cpu_stat
 from jupyterhub_gpusnap.checkpoint import CheckpointError, CheckpointRefused
 from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
 from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
@@ -133,9 +133,9 @@ def test_fake_kube_payloads_are_schema_checked():
 async def test_signals_map_host_pids_to_pods_and_read_cgroup_cpu(cluster):
     pod = cluster.add_user_pod("alice")
     uid = pod["metadata"]["uid"]
-    cid = pod["status"]["containerStatuses"][0]["containerID"].split("://")[1]
-    cluster.tree.add_pod_process(4242, uid, cid, usage_usec=7_000_000)
-    cluster.tree.add_pod_process(4250, uid, cid)
+    cid = container_id(pod["status"]["containerStatuses"][0]["containerID"])
+    cluster.map_process(pod, 4242, usage_usec=7_000_000)
+    cluster.map_process(pod, 4250)
     other = cluster.kube.add_pod("jhub", "jupyter-bob", "gpu-node-2")
     ticks = itertools.count(1000.0, 1.0)
     cluster.agent.cpu.clock = lambda: next(ticks)
@@ -545,8 +545,7 @@ async def test_gpu_checkpoint_records_its_gpus_and_restores_only_where_they_matc
     try:
         before = await work.wait_lines(3)
         pod = cluster.add_user_pod("alice", work)
-        cid = pod["status"]["containerStatuses"][0]["containerID"].split("://")[1]
-        cluster.tree.add_pod_process(work.pid, pod["metadata"]["uid"], cid)
+        cluster.map_process(pod, work.pid)
         libcuda = FakeLibcuda([work.pid])
         # a two-GPU H100 node; the server's process holds 2 GiB on GPU 1
         give_node_gpus(cluster, libcuda, [H100, H100], held={1: {work.pid: 2 << 30}})
@@ -627,8 +626,7 @@ async def test_gpu_checkpoint_records_its_gpus_and_restores_only_where_they_matc
 async def test_agent_signal_reads_cpu_of_the_servers_pod(cluster):
     pod = cluster.add_user_pod("alice", name="gpu")
     uid = pod["metadata"]["uid"]
-    cid = pod["status"]["containerStatuses"][0]["containerID"].split("://")[1]
-    cluster.tree.add_pod_process(5151, uid, cid, usage_usec=1_000_000)
+    cluster.map_process(pod, 5151, usage_usec=1_000_000)
     ticks = itertools.count(50.0, 2.0)
     cluster.agent.cpu.clock = lambda: next(ticks)
     source = AgentSignal(config=cluster.hub_config())
@@ -701,8 +699,7 @@ async def test_backend_parks_and_unparks_a_pods_gpu_memory_through_the_agent(tmp
     try:
         await work.wait_lines(1)
         pod = cluster.add_user_pod("alice", work)
-        cid = pod["status"]["containerStatuses"][0]["containerID"].split("://")[1]
-        cluster.tree.add_pod_process(work.pid, pod["metadata"]["uid"], cid)
+        cluster.map_process(pod, work.pid)
         libcuda = FakeLibcuda([work.pid])
         give_node_gpus(cluster, libcuda, [H100], held={0: {work.pid: 3 << 30}})
         backend = KubernetesBackend(config=cluster.hub_config())
@@ -750,8 +747,7 @@ async def test_agent_restarted_after_dying_mid_checkpoint_gives_the_gpu_memory_b
     try:
         await work.wait_lines(1)
         pod = cluster.add_user_pod("alice", work)
-        cid = pod["status"]["containerStatuses"][0]["containerID"].split("://")[1]
-        cluster.tree.add_pod_process(work.pid, pod["metadata"]["uid"], cid)
+        cluster.map_process(pod, work.pid)
         libcuda = FakeLibcuda([work.pid])
         give_node_gpus(cluster, libcuda, [H100], held={0: {work.pid: 2 << 30}})
         agent = cluster.agent

@@ -133,16 +133,7 @@ async def test_archive_pushed_pulled_by_digest_and_restored_by_the_agent(tmp_pat
 
         # the container is gone (the pod was deleted); its PIDs must be free for the restore
         work.stop()
-        code, body = await cluster.agent_call(
-            "POST",
-            "/v1/restore",
-            {
-                "namespace": "jhub",
-                "pod": "jupyter-alice",
-                "container": "notebook",
-                "image": shipped.id,
-            },
-        )
+        code, body = await cluster.restore_into(shipped.id)
         assert code == 200, body
         restored = body["pid"]
         assert body["restored"] is True and restored == work.pid  # CRIU restores the same PID
@@ -173,27 +164,9 @@ async def test_restore_refuses_an_image_that_is_not_a_checkpoint(tmp_path, regis
         shipped = await Shipper(registry_scheme="http").to_registry(
             not_checkpoint, f"{registry.host}/gpusnap/alice", "notebook", "alice/", 0, time.time()
         )
-        code, body = await cluster.agent_call(
-            "POST",
-            "/v1/restore",
-            {
-                "namespace": "jhub",
-                "pod": "jupyter-alice",
-                "container": "notebook",
-                "image": shipped.id,
-            },
-        )
+        code, body = await cluster.restore_into(shipped.id)
         assert code == 422 and "checkpoint/inventory.img" in body["error"]
-        code, body = await cluster.agent_call(
-            "POST",
-            "/v1/restore",
-            {
-                "namespace": "jhub",
-                "pod": "jupyter-alice",
-                "container": "notebook",
-                "image": f"{registry.host}/gpusnap/alice:latest",
-            },
-        )
+        code, body = await cluster.restore_into(f"{registry.host}/gpusnap/alice:latest")
         assert code == 502 and "no digest" in body["error"]
     finally:
         await cluster.stop()
