@@ -22,10 +22,14 @@ from jupyterhub_gpusnap.signals.nvml import Nvml  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-async def test_gpu_process_suspended_and_restored_bit_identical(tmp_path):
+@pytest.mark.parametrize("storage", ["files", "chunks"])
+async def test_gpu_process_suspended_and_restored_bit_identical(tmp_path, storage):
+    """``chunks``: restored through CRIU's image streamer from compressed chunks."""
     nvml = Nvml()
     assert nvml.open(), "NVML is needed for this test"
-    backend = LocalBackend(checkpoint_dir=str(tmp_path / "ckpt"), criu_path=find_criu(), min_free_bytes=0)
+    backend = LocalBackend(
+        checkpoint_dir=str(tmp_path / "ckpt"), criu_path=find_criu(), min_free_bytes=0, storage=storage
+    )
     await backend.setup()
     holder = Holder(1, tmp_path)
     before = holder.checksum()
@@ -41,7 +45,7 @@ async def test_gpu_process_suspended_and_restored_bit_identical(tmp_path):
     try:
         assert holder.checksum(pid) == before
         restored = await backend.get(info.id)
-        assert restored.status == "restored"
+        assert restored.status == "restored" and restored.extra["storage"] == storage
     finally:
         kill(pid)
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -105,11 +108,17 @@ async def test_encrypted_chunks_round_trip_share_and_sweep(tmp_path, process_tre
     assert "put the key back" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("staging", ["memory", "folder"])
-async def test_a_damaged_chunk_stops_the_restore_before_criu(tmp_path, process_tree, staging):
-    stage = tmp_path / "stage"
-    stage.mkdir()
-    backend = make_backend(tmp_path, restore_staging_dir=str(stage) if staging == "memory" else "")
+@pytest.mark.parametrize("staging", ["stream", "memory", "folder"])
+async def test_a_damaged_chunk_stops_the_restore(tmp_path, process_tree, staging, request):
+    """Streamed: CRIU gets every chunk up to the damaged one, then a short file, and fails;
+    unpacked first (memory, folder): CRIU never runs. Either way nothing runs afterwards."""
+    stage = Path(tempfile.mkdtemp(prefix="stage-"))  # short: the streamer's socket lives here
+    request.addfinalizer(lambda: shutil.rmtree(stage, ignore_errors=True))
+    backend = make_backend(
+        tmp_path,
+        restore_streaming=staging == "stream",
+        restore_staging_dir=str(stage) if staging != "folder" else "",
+    )
     tree = process_tree(pidns=True)
     await tree.wait_ready()
     await tree.ask("inc")
@@ -122,9 +131,13 @@ async def test_a_damaged_chunk_stops_the_restore_before_criu(tmp_path, process_t
     blob.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=f"damaged.*{cid[:12]}"):
         await backend.restore(info)
-    assert not list(backend.folder(info.id).glob("restore-*.log")), "CRIU ran on a damaged image"
+    if staging == "stream":
+        with pytest.raises(OSError):  # the tree CRIU began is gone: nobody answers its port
+            await tree.ask("get", timeout=3)
+    else:
+        assert not list(backend.folder(info.id).glob("restore-*.log")), "CRIU ran on a damaged image"
     assert not list(backend.folder(info.id).glob("*.img"))
-    assert not list(stage.iterdir()), "unpacked files left behind"
+    assert not list(stage.iterdir()), "unpacked files or the streamer's folder left behind"
     # Mended (the chunk written again from the same data), it restores from either place.
     blob.write_bytes(bytes(data[:-100]) + bytes([data[-100] ^ 0xFF]) + bytes(data[-99:]))
     tree.pid, _, _ = await backend.restore(info)

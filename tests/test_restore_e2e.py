@@ -83,10 +83,13 @@ class ProgressReader:
         return "\n".join(e.get("message", "") for e in self.events)
 
 
-async def test_suspended_server_comes_back_with_its_kernel(hub_factory, tmp_path):
+@pytest.mark.parametrize("storage", ["files", "chunks"])
+async def test_suspended_server_comes_back_with_its_kernel(hub_factory, tmp_path, storage):
+    """``chunks``: the image is kept as compressed chunks and CRIU restores it through the
+    streamer (``criu restore --stream``) — a real Jupyter server with its kernel and files."""
     ckpt = tmp_path / "ckpt"
-    hub = await hub_factory(snap_config(ckpt))
-    backend = service_backend(ckpt)
+    hub = await hub_factory(snap_config(ckpt, f"c.LocalBackend.storage = {storage!r}"))
+    backend = service_backend(ckpt, storage=storage)
     await hub.start_server("alice")
     kid, out = await hub.execute(
         "alice", "x = 42\nf = open('notes.txt', 'a')\nf.write('before\\n'); f.flush()\nprint('ok')"
@@ -115,8 +118,14 @@ async def test_suspended_server_comes_back_with_its_kernel(hub_factory, tmp_path
     assert (hub.home_root / "alice" / "notes.txt").read_text() == "before\nafter\n"
     model = await hub.get_server("alice")
     assert model["ready"] and model["state"]["pid"] != first_pid
-    assert Manifest.load(backend.folder(info.id)).status == "restored"
+    m = Manifest.load(backend.folder(info.id))
+    assert m.status == "restored" and m.storage == storage
     assert "alice/: restored from" in hub.log_text()
+    if storage == "chunks":
+        (log,) = backend.folder(info.id).glob("restore-*.log")  # CRIU's log is kept
+        assert "Dismissing the image streamer" in log.read_text()  # it read through the streamer
+        assert not list(backend.folder(info.id).glob("*.img")), "the image stays chunks only"
+        return  # the rest is storage-independent
     # the server's own calls to the Hub work: its old token was taken back
     status, data = await hub.user_request("alice", "api/status")
     assert status == 200 and data["kernels"] == 1

@@ -68,6 +68,8 @@ from .manifest import (
     seal_image,
     verify_image,
 )
+from .streamer import SOCKET_NAME as STREAMER_SOCKET
+from .streamer import ChunkStreamer
 
 DEFAULT_NAME = "_default"
 STAGING_PREFIX = "gpusnap-restore-"
@@ -269,14 +271,25 @@ class LocalBackend(CheckpointBackend):
             )
         return value
 
+    restore_streaming = Bool(
+        True,
+        help="""storage = 'chunks': restore with 'criu restore --stream', fed from the chunk
+        store while the chunks are read, checked and decompressed, so reading the image and
+        CRIU's work overlap (the restore then takes about as long as the slower of the two).
+        False: unpack the whole image into restore_staging_dir first, then run CRIU on it
+        (needs free room of the image's size there); use it only with a CRIU built without
+        image streaming.""",
+    ).tag(config=True)
+
     restore_staging_dir = Unicode(
         "/dev/shm",
-        help="""Where an image kept as chunks (storage = 'chunks') is unpacked for CRIU at
-        restore, in a new root-only folder deleted right after. A memory file system
-        (the default /dev/shm) keeps the unpacked copy off the disk and out of the kernel's
-        dirty-page throttling; when it lacks room for the image, or is empty here, the
-        checkpoint's own folder is used. Needs free memory of about the image size while a
-        restore runs.""",
+        help="""Where a restore of an image kept as chunks (storage = 'chunks') works, in a new
+        root-only folder deleted right after: CRIU's socket and log with restore_streaming;
+        without it, the whole image unpacked for CRIU. A memory file system (the default
+        /dev/shm) keeps an unpacked copy off the disk and out of the kernel's dirty-page
+        throttling; when it lacks room, or is empty here, the checkpoint's own folder is
+        used (and /tmp for the socket). Unpacking needs free memory of about the image size
+        while a restore runs.""",
     ).tag(config=True)
 
     encryption_key_file = Unicode(
@@ -1022,6 +1035,38 @@ class LocalBackend(CheckpointBackend):
             return CheckpointError(f"{key}: image {info.id} is damaged: " + "; ".join(problems[:5]))
 
         images = folder
+        if m.storage == "chunks" and self.restore_streaming:
+            # CRIU reads the image from the streamer, which checks every chunk before CRIU
+            # gets its bytes; the tree is handed out only if the streamer found nothing wrong.
+            store = self._chunk_store_or_fail()
+            try:
+                store.require_key(m.key_id)
+            except ValueError as e:
+                raise CheckpointError(f"{key}: cannot restore {info.id}: {e}") from e
+            images = self._stream_dir()
+            threads = self.hash_threads or os.cpu_count() or 1
+            streamer = ChunkStreamer(store, m.key_id, m.chunks, images, window=2 * threads, prefetch=8 * threads)
+            try:
+                streamer.start()
+            except OSError as e:
+                self._unstage(folder, images)
+                raise CheckpointError(f"{key}: cannot start the image streamer in {images}: {e}") from e
+            problems_after = None
+
+            def check_pages() -> asyncio.Future:
+                nonlocal problems_after
+                if problems_after is None:
+                    problems_after = asyncio.ensure_future(asyncio.to_thread(streamer.finish))
+                return problems_after
+
+            try:
+                return await self._restore_tree(
+                    info, folder, images, m, key, check_pages, damaged, restore_started, timeout,
+                    stream=True,
+                )
+            finally:
+                await check_pages()  # the senders have stopped before the folder goes
+                self._unstage(folder, images)
         if m.storage == "chunks":
             # Every chunk is checked against its id while it is unpacked: nothing runs from
             # a damaged image. The unpacked files only feed CRIU and go afterwards.
@@ -1117,6 +1162,21 @@ class LocalBackend(CheckpointBackend):
             )
         return folder
 
+    def _stream_dir(self) -> Path:
+        """A new root-only folder for CRIU's streamer socket and log: in restore_staging_dir,
+        else /tmp (a socket's path must stay under 108 bytes)."""
+        room = 107 - len(f"/{STAGING_PREFIX}12345678/{STREAMER_SOCKET}")
+        for where in (self.restore_staging_dir, tempfile.gettempdir()):
+            if where and os.path.isdir(where) and len(os.path.abspath(where)) <= room:
+                try:
+                    return Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=where))
+                except OSError as e:
+                    self.log.warning("cannot use %s for a restore's streamer socket (%s)", where, e)
+        raise CheckpointError(
+            "no folder for CRIU's streamer socket: set LocalBackend.restore_staging_dir to a short, "
+            "writable path (e.g. /dev/shm) or LocalBackend.restore_streaming = False"
+        )
+
     def _unstage(self, folder: Path, images: Path) -> None:
         """Remove unpacked image files; keep CRIU's restore log in the checkpoint folder."""
         if images == folder:
@@ -1128,10 +1188,11 @@ class LocalBackend(CheckpointBackend):
         shutil.rmtree(images, ignore_errors=True)
 
     async def _restore_tree(
-        self, info, folder, images, m, key, check_pages, damaged, restore_started, timeout
+        self, info, folder, images, m, key, check_pages, damaged, restore_started, timeout,
+        stream: bool = False,
     ) -> tuple[int, str, int]:
-        """criu restore (from ``images``) + GPU restore of a checked image (the second half of
-        :meth:`restore`)."""
+        """criu restore (from ``images``; through its streamer socket with ``stream``) + GPU
+        restore of a checked image (the second half of :meth:`restore`)."""
         phases = {"prepare_s": round(time.time() - restore_started, 3)}
         t = time.monotonic()
         try:
@@ -1141,7 +1202,7 @@ class LocalBackend(CheckpointBackend):
                 criu=self.criu_path,
                 tcp=m.tcp_mode,
                 shell_job=m.shell_job,
-                extra=self.restore_extra_args,
+                extra=[*self.restore_extra_args, *(["--stream"] if stream else [])],
                 timeout=timeout,
             )
         except CheckpointError as e:

@@ -1,0 +1,259 @@
+"""Feed ``criu restore --stream`` from the chunk store while the chunks are read.
+
+A checkpoint kept as chunks would otherwise be unpacked whole before CRIU starts, and
+CRIU would then read it a second time: the restore costs the sum of the two. With
+``--stream`` CRIU asks an *image streamer* for each image file instead of opening it,
+and reads it from a pipe front to back, so the chunks can be read, checked and
+decompressed (in the store's thread pool, a window ahead) while CRIU already restores
+the memory they hold.
+
+The protocol (CRIU 4.x, ``criu/img-streamer.c``): CRIU connects once to
+``<images-dir>/streamer-serve.sock``. For each file it sends a request (a
+little-endian ``u32`` length, then the protobuf ``img_streamer_request_entry
+{filename = 1}``); the streamer answers ``img_streamer_reply_entry {exists = 1}`` the
+same way; for a file that exists CRIU then passes the write end of a new pipe
+(``SCM_RIGHTS``, one dummy byte) and reads the file from the read end.
+
+Every chunk is checked against its id before its bytes enter the pipe. A damaged or
+missing chunk closes that file's pipe early: CRIU fails on the short read and ends the
+tree it was building. A short file that happens to end where a whole record ends could
+look complete to CRIU, so :meth:`ChunkStreamer.finish` returns the problems and the
+caller must not hand out a tree restored while any were found.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import fcntl
+import os
+import select
+import socket
+import struct
+import threading
+from pathlib import Path
+
+from .chunks import ChunkStore
+
+SOCKET_NAME = "streamer-serve.sock"
+F_SETPIPE_SZ = 1031
+PIPE_BYTES = 4 << 20  # CRIU reads 2 MiB chunks' worth at a time; a bigger pipe keeps both busy
+_LEN = struct.Struct("<I")
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+def parse_request(msg: bytes) -> str:
+    """``img_streamer_request_entry``'s ``filename`` (field 1, a string)."""
+    i, name = 0, None
+    while i < len(msg):
+        tag, i = _read_varint(msg, i)
+        field, wire = tag >> 3, tag & 7
+        if wire == 2:
+            n, i = _read_varint(msg, i)
+            if field == 1:
+                name = msg[i : i + n].decode()
+            i += n
+        elif wire == 0:
+            _, i = _read_varint(msg, i)
+        else:
+            raise ValueError(f"unexpected protobuf wire type {wire} in a streamer request")
+    if name is None:
+        raise ValueError("streamer request without a filename")
+    return name
+
+
+def _read_varint(msg: bytes, i: int) -> tuple[int, int]:
+    n = shift = 0
+    while True:
+        if i >= len(msg):
+            raise ValueError("truncated varint in a streamer request")
+        b = msg[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return n, i
+        shift += 7
+
+
+def reply(exists: bool) -> bytes:
+    """A length-prefixed ``img_streamer_reply_entry`` (field 1, a bool)."""
+    body = b"\x08" + _varint(int(exists))
+    return _LEN.pack(len(body)) + body
+
+
+class ChunkStreamer:
+    """Serves one checkpoint's image files (``chunks``: ``{name: [[id, length], ...]}``
+    sealed in ``space``) to one ``criu restore --stream -D folder``.
+
+    :meth:`start` before CRIU starts, :meth:`finish` once it ended (or failed): it waits
+    for the files being sent and returns what was wrong with them (empty: every byte CRIU
+    got was checked). ``window`` chunks per file are decoded ahead in the store's pool,
+    and the disk is asked for ``prefetch`` chunks ahead (:meth:`ChunkStore.prefetch`).
+    """
+
+    def __init__(self, store: ChunkStore, space: str, chunks: dict[str, list], folder: Path,
+                 window: int = 16, prefetch: int = 64):  # fmt: skip
+        self.store = store
+        self.space = space
+        self.chunks = chunks
+        self.folder = Path(folder)
+        self.window = max(1, window)
+        self.prefetch = max(self.window, prefetch)
+        self.problems: list[str] = []
+        self.served: dict[str, int] = {}  # name -> bytes sent
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+        self._conn: socket.socket | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.folder / SOCKET_NAME
+
+    def start(self) -> ChunkStreamer:
+        self.path.unlink(missing_ok=True)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(str(self.path))
+        os.chmod(self.path, 0o600)
+        listener.listen(1)
+        self._listener = listener
+        t = threading.Thread(target=self._serve, name="gpusnap-streamer", daemon=True)
+        t.start()
+        self._threads.append(t)
+        return self
+
+    def _problem(self, text: str) -> None:
+        with self._lock:
+            self.problems.append(text)
+
+    def _serve(self) -> None:
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            return  # closed before CRIU connected (it failed first)
+        self._conn = conn
+        with conn:
+            while not self._stop.is_set():
+                try:
+                    head = _recv_exact(conn, _LEN.size)
+                    if head is None:
+                        return  # CRIU is done with the streamer
+                    msg = _recv_exact(conn, _LEN.unpack(head)[0])
+                    if msg is None:
+                        return
+                    name = parse_request(msg)
+                    exists = name in self.chunks
+                    conn.sendall(reply(exists))
+                    if not exists:
+                        continue
+                    _, fds, _, _ = socket.recv_fds(conn, 1, 1)
+                    if not fds:
+                        self._problem(f"{name}: CRIU sent no pipe")
+                        return
+                except (OSError, ValueError) as e:
+                    if not self._stop.is_set():
+                        self._problem(f"streamer connection: {e}")
+                    return
+                t = threading.Thread(target=self._send, args=(name, fds[0]), daemon=True,
+                                     name=f"gpusnap-streamer-{name}")  # fmt: skip
+                t.start()
+                self._threads.append(t)
+
+    def _send(self, name: str, fd: int) -> None:
+        """Write ``name``'s chunks into ``fd`` in order, ``window`` of them read ahead."""
+        sent = 0
+        try:
+            try:
+                fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
+            except OSError:
+                pass  # the default pipe size only costs more wake-ups
+            os.set_blocking(fd, False)
+            refs = self.chunks[name]
+            ahead: collections.deque = collections.deque()
+            pool, get, prefetch = self.store.pool, self.store._get, self.store.prefetch
+            nxt = 0  # the next chunk to decode
+            for cid, _ in refs[: self.prefetch]:
+                prefetch(self.space, cid)
+
+            def refill() -> None:
+                nonlocal nxt
+                while len(ahead) < self.window and nxt < len(refs):
+                    cid, length = refs[nxt]
+                    ahead.append((cid, pool.submit(get, self.space, cid, length)))
+                    if nxt + self.prefetch < len(refs):
+                        prefetch(self.space, refs[nxt + self.prefetch][0])
+                    nxt += 1
+
+            refill()
+            while ahead:
+                cid, fut = ahead.popleft()
+                refill()
+                try:
+                    data = fut.result()
+                except (OSError, ValueError) as e:
+                    self._problem(f"{name}: {e}")
+                    return
+                if not self._write(fd, memoryview(data)):
+                    return
+                sent += len(data)
+        finally:
+            with self._lock:
+                self.served[name] = sent
+            os.close(fd)
+
+    def _write(self, fd: int, view: memoryview) -> bool:
+        """Write all of ``view``; False when CRIU closed its end or we are stopping."""
+        while view:
+            try:
+                n = os.write(fd, view)
+            except BlockingIOError:
+                while not self._stop.is_set():
+                    _, w, x = select.select([], [fd], [fd], 0.5)
+                    if w or x:
+                        break
+                else:
+                    return False
+                continue
+            except OSError as e:
+                if e.errno == errno.EPIPE:
+                    return False  # CRIU stopped reading: it failed, or needs no more
+                raise
+            view = view[n:]
+        return True
+
+    def finish(self, timeout: float = 30.0) -> list[str]:
+        """Stop serving, wait for the senders; the problems found (see the module doc)."""
+        self._stop.set()
+        for s in (self._listener, self._conn):
+            if s is not None:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+        for t in self._threads:
+            t.join(timeout)
+        self.path.unlink(missing_ok=True)
+        return list(self.problems)
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        part = conn.recv(n - len(buf))
+        if not part:
+            return None
+        buf += part
+    return bytes(buf)
