@@ -1045,7 +1045,7 @@ class LocalBackend(CheckpointBackend):
                 raise CheckpointError(f"{key}: cannot restore {info.id}: {e}") from e
             images = self._stream_dir()
             threads = self.hash_threads or os.cpu_count() or 1
-            streamer = ChunkStreamer(store, m.key_id, m.chunks, images, window=2 * threads, prefetch=8 * threads)
+            streamer = ChunkStreamer(store, m.key_id, m.chunks, images, window=4 * threads, prefetch=16 * threads)
             try:
                 streamer.start()
             except OSError as e:

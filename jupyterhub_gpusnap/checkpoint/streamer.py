@@ -24,12 +24,14 @@ caller must not hand out a tree restored while any were found.
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno
 import fcntl
 import os
 import select
 import socket
 import struct
+import termios
 import threading
 from pathlib import Path
 
@@ -174,12 +176,8 @@ class ChunkStreamer:
     def _send(self, name: str, fd: int) -> None:
         """Write ``name``'s chunks into ``fd`` in order, ``window`` of them read ahead."""
         sent = 0
+        pipe = PipeWriter(fd)
         try:
-            try:
-                fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
-            except OSError:
-                pass  # the default pipe size only costs more wake-ups
-            os.set_blocking(fd, False)
             refs = self.chunks[name]
             ahead: collections.deque = collections.deque()
             pool, get, prefetch = self.store.pool, self.store._get, self.store.prefetch
@@ -205,33 +203,13 @@ class ChunkStreamer:
                 except (OSError, ValueError) as e:
                     self._problem(f"{name}: {e}")
                     return
-                if not self._write(fd, memoryview(data)):
+                if not pipe.write(data) or self._stop.is_set():
                     return
                 sent += len(data)
         finally:
             with self._lock:
                 self.served[name] = sent
-            os.close(fd)
-
-    def _write(self, fd: int, view: memoryview) -> bool:
-        """Write all of ``view``; False when CRIU closed its end or we are stopping."""
-        while view:
-            try:
-                n = os.write(fd, view)
-            except BlockingIOError:
-                while not self._stop.is_set():
-                    _, w, x = select.select([], [fd], [fd], 0.5)
-                    if w or x:
-                        break
-                else:
-                    return False
-                continue
-            except OSError as e:
-                if e.errno == errno.EPIPE:
-                    return False  # CRIU stopped reading: it failed, or needs no more
-                raise
-            view = view[n:]
-        return True
+            pipe.close()
 
     def finish(self, timeout: float = 30.0) -> list[str]:
         """Stop serving, wait for the senders; the problems found (see the module doc)."""
@@ -247,6 +225,127 @@ class ChunkStreamer:
             t.join(timeout)
         self.path.unlink(missing_ok=True)
         return list(self.problems)
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [
+        ("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p),
+    ]  # fmt: skip
+
+
+def _vmsplice_fn():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).vmsplice
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_size_t, ctypes.c_uint]
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
+_VMSPLICE = _vmsplice_fn()
+
+
+def _address(data) -> int:
+    """The address of a bytes-like object's memory (held while the object lives)."""
+    view = _PyBuffer()
+    ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(data), ctypes.byref(view), 0)
+    try:
+        return view.buf
+    finally:
+        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(view))
+
+
+class PipeWriter:
+    """Writes buffers into a pipe; with ``vmsplice(2)`` the pipe takes references to our
+    pages instead of a copy, so CRIU's read is the only copy of the data.
+
+    The pipe then holds our memory itself: each buffer is kept alive until the pipe no
+    longer holds any of it (bytes handed over minus the pipe's unread bytes, FIONREAD),
+    and :meth:`close` waits until the reader has taken everything or is gone. Without
+    vmsplice (or ``splice = False``) it is a plain ``write``.
+    """
+
+    def __init__(self, fd: int, splice: bool = True):
+        self.fd = fd
+        self.splice = splice and _VMSPLICE is not None
+        self.handed = 0
+        self.held: collections.deque = collections.deque()  # (end offset, buffer)
+        _grow_pipe(fd)
+
+    def write(self, data) -> bool:
+        """Hand over all of ``data``; False when the reader has closed its end."""
+        view = memoryview(data).cast("B")
+        if not self.splice:
+            while view:
+                try:
+                    view = view[os.write(self.fd, view) :]
+                except BrokenPipeError:
+                    return False
+            return True
+        addr, n, off = _address(view), len(view), 0
+        self.held.append((self.handed + n, data))
+        while off < n:
+            iov = _Iovec(addr + off, n - off)
+            done = _VMSPLICE(self.fd, ctypes.byref(iov), 1, 0)
+            if done < 0:
+                err = ctypes.get_errno()
+                if err == errno.EINTR:
+                    continue
+                if err == errno.EPIPE:
+                    return False
+                raise OSError(err, os.strerror(err))
+            off += done
+        self.handed += n
+        self._release(self._unread())
+        return True
+
+    def _unread(self) -> int:
+        return struct.unpack("i", fcntl.ioctl(self.fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+
+    def _release(self, unread: int) -> None:
+        consumed = self.handed - unread
+        while self.held and self.held[0][0] <= consumed:
+            self.held.popleft()
+
+    def close(self) -> None:
+        """Wait until the reader took what the pipe holds of our memory (or closed its
+        end), then close the write end."""
+        try:
+            poller = select.poll()
+            poller.register(self.fd, select.POLLOUT)
+            while self.held:
+                unread = self._unread()
+                self._release(unread)
+                if not unread:
+                    break
+                if any(ev & select.POLLERR for _, ev in poller.poll(5)):
+                    break  # no reader left: nobody will see the pipe's contents
+        finally:
+            os.close(self.fd)
+            self.held.clear()
+
+
+def _grow_pipe(fd: int) -> None:
+    """A bigger pipe means fewer wake-ups of CRIU and of the sender: PIPE_BYTES, or the
+    most an unprivileged process may ask for (/proc/sys/fs/pipe-max-size)."""
+    try:
+        fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
+        return
+    except OSError:
+        pass
+    try:
+        most = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+        fcntl.fcntl(fd, F_SETPIPE_SZ, min(most, PIPE_BYTES))
+    except (OSError, ValueError):
+        pass  # the default size works, with more wake-ups
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:

@@ -1,0 +1,123 @@
+"""The image streamer's parts: CRIU's request/reply framing and the pipe writer that lends
+its memory to the pipe (vmsplice). The whole path with real CRIU is in test_local_chunks.py
+and test_restore_e2e.py."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import threading
+
+import pytest
+
+from jupyterhub_gpusnap.checkpoint.streamer import _LEN, PipeWriter, parse_request, reply
+
+
+def test_request_and_reply_framing():
+    # img_streamer_request_entry {filename = "pages-1.img"} as protobuf-c packs it
+    msg = b"\x0a\x0bpages-1.img"
+    assert parse_request(msg) == "pages-1.img"
+    assert reply(True) == _LEN.pack(2) + b"\x08\x01"
+    assert reply(False) == _LEN.pack(2) + b"\x08\x00"
+    with pytest.raises(ValueError, match="without a filename"):
+        parse_request(b"\x10\x01")
+    with pytest.raises(ValueError, match="truncated"):
+        parse_request(b"\x0a\x80")
+
+
+@pytest.mark.parametrize("splice", [True, False])
+def test_pipe_writer_round_trip(splice):
+    chunks = [os.urandom(n) for n in (1, 4095, 4096, 300_000, 2 << 20, 7)] * 3
+    r, w = os.pipe()
+    got = hashlib.sha256()
+
+    def reader():
+        while data := os.read(r, 65536):
+            got.update(data)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    pipe = PipeWriter(w, splice=splice)
+    for c in chunks:
+        assert pipe.write(c)
+    pipe.close()
+    t.join()
+    os.close(r)
+    assert got.hexdigest() == hashlib.sha256(b"".join(chunks)).hexdigest()
+    assert not pipe.held
+
+
+def test_spliced_buffers_are_held_until_the_reader_took_them():
+    r, w = os.pipe()
+    pipe = PipeWriter(w)
+    assert pipe.splice, "vmsplice is available on Linux"
+    parts = [bytes([i]) * (128 << 10) for i in range(3)]
+    for p in parts:
+        assert pipe.write(p)
+    assert [end for end, _ in pipe.held] == [128 << 10, 256 << 10, 384 << 10]  # nothing read yet
+    taken = b""
+    while len(taken) < (200 << 10):
+        taken += os.read(r, (200 << 10) - len(taken))
+    assert pipe.write(b"x")
+    assert [end for end, _ in pipe.held] == [256 << 10, 384 << 10, (384 << 10) + 1]  # first one released
+    rest = b""
+    closer = threading.Thread(target=pipe.close)  # waits for the reader
+    closer.start()
+    while len(rest) < (184 << 10) + 1:
+        rest += os.read(r, 1 << 20)
+    closer.join(10)
+    assert not closer.is_alive() and not pipe.held
+    assert taken + rest == b"".join(parts) + b"x"
+    os.close(r)
+
+
+def test_a_reader_that_went_away_ends_the_writer():
+    r, w = os.pipe()
+    pipe = PipeWriter(w)
+    assert pipe.write(b"a" * 1000)
+    os.close(r)
+    assert pipe.write(b"b" * (4 << 20)) is False
+    pipe.close()  # does not wait for a reader that is gone
+    assert not pipe.held
+
+
+def test_a_streamer_socket_speaks_criu_framing(tmp_path):
+    """A client doing what CRIU does gets the file's bytes (plain store, two chunks)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jupyterhub_gpusnap.checkpoint.chunks import ChunkStore
+    from jupyterhub_gpusnap.checkpoint.streamer import SOCKET_NAME, ChunkStreamer
+
+    with ThreadPoolExecutor(2) as pool:
+        store = ChunkStore(tmp_path / "store", pool, avg_pages=16)
+        src = tmp_path / "pages-1.img"
+        src.write_bytes(os.urandom(1 << 20))
+        packed = store.pack([src])
+        chunks = {n: p.chunks for n, p in packed.items()}
+        assert len(chunks["pages-1.img"]) > 1
+        folder = tmp_path / "s"
+        folder.mkdir()
+        streamer = ChunkStreamer(store, "plain", chunks, folder, window=2, prefetch=4).start()
+        c = socket.socket(socket.AF_UNIX)
+        c.connect(str(folder / SOCKET_NAME))
+
+        def ask(name: str) -> bool:
+            req = b"\x0a" + bytes([len(name)]) + name.encode()
+            c.sendall(_LEN.pack(len(req)) + req)
+            head = c.recv(4)
+            body = c.recv(_LEN.unpack(head)[0])
+            return body == b"\x08\x01"
+
+        assert ask("ids-7.img") is False  # absent: CRIU treats it as empty
+        assert ask("pages-1.img") is True
+        r, w = os.pipe()
+        socket.send_fds(c, [b"\0"], [w])
+        os.close(w)
+        data = b""
+        while part := os.read(r, 1 << 20):
+            data += part
+        os.close(r)
+        c.close()
+        assert streamer.finish() == []
+        assert data == src.read_bytes() and streamer.served == {"pages-1.img": 1 << 20}
