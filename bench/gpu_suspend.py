@@ -12,6 +12,9 @@ For each size (GiB, from argv; default 1 8 24):
   a plain ``criu dump -t PID -D DIR`` and ``criu restore -D DIR -d``.
   ``bare_suspend_s`` = driver checkpoint + criu dump; ``bare_restore_s`` = criu restore + driver restore.
 - ``intact``: the sha256 of the GPU data, computed in the process, is the same after the restore.
+- ``bare_durable_suspend_s``: the bare suspension followed by ``sync`` (its image on the disk,
+  as ours is when ``time_to_disk_s`` ends); ``disk_bound_s``: driver checkpoint + image bytes
+  at the disk's measured write speed (see ``add_disk_bound``).
 
 The page cache is dropped before each restore where the kernel allows it (``cold_cache``).
 Needs root, an NVIDIA GPU with driver >= 570, PyTorch and CRIU >= 4.2.
@@ -51,7 +54,7 @@ HERE = Path(__file__).parent
 COLUMNS = [
     "gib", "gpu_bytes", "image_bytes", "time_to_gpu_free_s", "time_to_disk_s", "restore_s",
     "driver_checkpoint_s", "driver_restore_s", "bare_suspend_s", "bare_restore_s",
-    "bare_durable_suspend_s", "gpu_free_ratio", "disk_ratio", "durable_disk_ratio", "restore_ratio", "intact",
+    "bare_durable_suspend_s", "gpu_free_ratio", "disk_ratio", "durable_disk_ratio", "disk_bound_ratio", "restore_ratio", "intact",
     "bare_intact",
 ]
 
@@ -204,6 +207,17 @@ def median(values: list[float]) -> float:
     return round(m) if all(isinstance(x, int) for x in v) else round(m, 3)
 
 
+def add_disk_bound(row: dict) -> None:
+    """``disk_bound_s``: the least a durable suspension that writes the image after the
+    driver checkpoint can take here: that checkpoint, then the image at the disk's
+    measured speed (``disk_write_GBps``, O_DIRECT); ``disk_bound_ratio`` =
+    time_to_disk_s / disk_bound_s."""
+    if row.get("disk_write_GBps"):
+        bound = row["driver_checkpoint_s"] + row["image_bytes"] / (row["disk_write_GBps"] * 1e9)
+        row["disk_bound_s"] = round(bound, 3)
+        row["disk_bound_ratio"] = round(row["time_to_disk_s"] / bound, 3)
+
+
 async def one_run(gib: float, root: Path, backend: LocalBackend, criu: str, gpus: int, bare_first: bool) -> dict:
     if bare_first:
         b = await bare(gib, root, criu, gpus)
@@ -254,6 +268,7 @@ async def main(sizes: list[float], root: Path, repeat: int, gpus: int, storage: 
                 row[f"one_gpu_{k}"] = median([x[k] for x in one])
                 row[f"ratio_to_1gpu_{k}"] = round(row[k] / row[f"one_gpu_{k}"], 3)
         row["disk_write_GBps"] = disk
+        add_disk_bound(row)
         row["runs"] = runs
         row["machine"] = about
         rows.append(row)

@@ -4,14 +4,18 @@ For each size (GiB, argv; default 1 8 24): a ``jupyter server`` with the auto-un
 a kernel holding that much GPU data, parked through ``park.park`` as the service does; then a cell
 that uses the tensor is sent and timed to its first output (``cell_latency_s``). The same
 process is parked again and unparked by hand with the driver (``driver_restore_s``), so the
-ratio shows what auto-unpark adds. Adds ``cell_latency_s`` to bench/results/park.json rows of
+difference shows what auto-unpark adds; ``cell_after_driver_restore_s`` is the same cell
+run right after that manual unpark (the first GPU use after a driver restore). ``--repeat N`` (default 3) pairs, the order
+alternating; the figures are medians, each run listed. Adds ``cell_latency_s`` to bench/results/park.json rows of
 the same size (written by bench/park.py) and writes bench/results/park_cell.json.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -31,7 +35,7 @@ from jupyterhub_gpusnap.signals.nvml import tree_pids  # noqa: E402
 GiB = 1024**3
 
 
-async def one(gib: float) -> dict:
+async def one(gib: float, repeat: int) -> dict:
     server = JupyterServer(Path(tempfile.mkdtemp()))
     try:
         await server.wait()
@@ -40,22 +44,38 @@ async def one(gib: float) -> dict:
                       f"import torch\nt = torch.rand({int(gib * GiB) // 4}, device='cuda')\nprint('ok')")
         cuda = CudaCheckpoint()
         pids = tree_pids(server.proc.pid)
-        parked = await park(pids, cuda)
-        out, latency = await execute(server.base, server.token, kernel, "print(float(t[0]))")
-        # the bare figure on the same process: park again, driver restore + unlock by hand
-        again = await park(pids, cuda)
-        t = time.perf_counter()
-        await cuda.resume(again.pids)
-        driver_restore = time.perf_counter() - t
-        return {"gib": gib, "gpu_bytes": parked.bytes_moved, "park_s": round(parked.seconds, 3),
+        latencies, bare, after_bare, park_s, moved, outputs = [], [], [], [], 0, []
+        for i in range(repeat):
+            # alternate which goes first: the first restore after a park may differ
+            for which in (("cell", "bare") if i % 2 == 0 else ("bare", "cell")):
+                parked = await park(pids, cuda)
+                park_s.append(parked.seconds)
+                moved = max(moved, parked.bytes_moved)
+                if which == "cell":
+                    out, latency = await execute(server.base, server.token, kernel, "print(float(t[0]))")
+                    latencies.append(latency)
+                    outputs.append(bool(out.strip()))
+                else:  # the bare figure on the same process: driver restore + unlock by hand
+                    t = time.perf_counter()
+                    await cuda.resume(parked.pids)
+                    bare.append(time.perf_counter() - t)
+                    # the same cell right after: what the first GPU use after a restore costs
+                    _, first_use = await execute(server.base, server.token, kernel, "print(float(t[0]))")
+                    after_bare.append(first_use)
+        latency, driver_restore = statistics.median(latencies), statistics.median(bare)
+        return {"gib": gib, "gpu_bytes": moved, "park_s": round(statistics.median(park_s), 3),
                 "cell_latency_s": round(latency, 3), "driver_restore_s": round(driver_restore, 3),
-                "cell_minus_driver_s": round(latency - driver_restore, 3), "output_ok": bool(out.strip())}
+                "cell_minus_driver_s": round(latency - driver_restore, 3), "repeat": repeat,
+                "cell_latency_runs_s": [round(x, 3) for x in latencies],
+                "driver_restore_runs_s": [round(x, 3) for x in bare],
+                "cell_after_driver_restore_s": round(statistics.median(after_bare), 3),
+                "output_ok": all(outputs)}
     finally:
         server.stop()
 
 
-async def main(sizes):
-    rows = [await one(g) for g in sizes]
+async def main(sizes, repeat):
+    rows = [await one(g, repeat) for g in sizes]
     print_table(rows, list(rows[0]))
     out = results_dir()
     (out / "park_cell.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
@@ -70,4 +90,8 @@ async def main(sizes):
 
 
 if __name__ == "__main__":
-    asyncio.run(main([float(a) for a in sys.argv[1:]] or [1, 8, 24]))
+    p = argparse.ArgumentParser()
+    p.add_argument("sizes", nargs="*", type=float, default=[1, 8, 24], help="GiB of GPU data")
+    p.add_argument("--repeat", type=int, default=3, help="cell/bare pairs per size (medians)")
+    a = p.parse_args()
+    asyncio.run(main(a.sizes, a.repeat))

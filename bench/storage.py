@@ -7,13 +7,16 @@ and restored through ``LocalBackend``:
 - ``files``: CRIU's raw image files (checksummed, fsync'ed) — the baseline;
 - ``chunks``: the same process again, stored as compressed, content-addressed chunks;
 - ``chunks, again``: suspended a second time (what a server idle twice costs);
+- ``chunks, again, unpacked first``: a third time, restored with
+  ``restore_streaming = False`` (the whole image unpacked to memory before CRIU runs);
 - ``chunks, user 2`` / ``user 3``: other processes holding the same weights (the same
   model loaded by several users).
 
 ``written_bytes`` is what reached the disk for the image (raw: the image; chunks: the
 new chunks), ``suspend_s`` the whole checkpoint call (dump, checksums/compression,
 durable), ``restore_s`` the whole restore call with the image dropped from the page
-cache first (``posix_fadvise``), so the restore reads the disk. Ratios are to the
+cache first (``posix_fadvise``), so the restore reads the disk; ``restore_criu_s`` the
+part of it CRIU ran (streamed: reading the chunks happens meanwhile). Ratios are to the
 ``files`` row of the same data in the same run. ``intact``: the data's sha256 after the
 restore equals the one before.
 
@@ -44,7 +47,7 @@ from jupyterhub_gpusnap.model import Server
 HERE = Path(__file__).parent
 COLUMNS = [
     "kind", "gib", "mode", "image_bytes", "written_bytes", "written_ratio", "suspend_s",
-    "suspend_ratio", "restore_s", "restore_ratio", "intact",
+    "suspend_ratio", "restore_s", "restore_ratio", "restore_criu_s", "intact",
 ]
 
 
@@ -107,6 +110,7 @@ async def cycle(backend: LocalBackend, h: Holder, name: str) -> dict:
         "stored_bytes": m.stored_bytes or m.image_bytes,
         "suspend_s": round(suspend_s, 3),
         "restore_s": round(restore_s, 3),
+        "restore_criu_s": (m.extra.get("restore_phases") or {}).get("criu_s"),
         "intact": h.checksum() == before,
     }
 
@@ -129,6 +133,11 @@ async def main(gib: float, kinds: list[str], root: Path, level: int) -> None:
     chunks = LocalBackend(
         checkpoint_dir=str(root / "chunks"), storage="chunks", compression_level=level, **common
     )
+    # the restore before streaming: the whole image unpacked to memory, then CRIU (same store)
+    unpacked = LocalBackend(
+        checkpoint_dir=str(root / "chunks"), storage="chunks", compression_level=level,
+        restore_streaming=False, **common,
+    )
     rows = []
     how = {}
     for kind in kinds:
@@ -141,6 +150,8 @@ async def main(gib: float, kinds: list[str], root: Path, level: int) -> None:
         got.append(dict(base, mode="chunks", **await cycle(chunks, h, kind)))
         print(f"{kind}: {got[-1]}", flush=True)
         got.append(dict(base, mode="chunks, again", **await cycle(chunks, h, kind)))
+        print(f"{kind}: {got[-1]}", flush=True)
+        got.append(dict(base, mode="chunks, again, unpacked first", **await cycle(unpacked, h, kind)))
         print(f"{kind}: {got[-1]}", flush=True)
         kill(h.pid)
         if kind == "weights":
