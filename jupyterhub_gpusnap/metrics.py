@@ -67,8 +67,9 @@ MAKE_ROOM_BYTES = Counter(
 )
 GPU_FREE_BYTES = Gauge(
     "gpusnap_gpu_free_bytes",
-    "Free memory of each GPU (by index) when Watcher.min_free_gpu_memory was last checked.",
-    ["gpu"],
+    "Free memory of each GPU when Watcher.min_free_gpu_memory was last checked, by node (the "
+    "Kubernetes node name; empty for the GPUs of the service's own machine) and gpu (its index there).",
+    ["node", "gpu"],
     registry=REGISTRY,
 )
 

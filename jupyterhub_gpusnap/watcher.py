@@ -18,6 +18,7 @@ from traitlets.config import LoggingConfigurable
 
 from . import metrics
 from .checkpoint.base import CheckpointBackend, CheckpointError, CheckpointRefused
+from .gpuview import GpuReading, GpuView, local_gpus, pick
 from .hub import HubClient, HubError
 from .model import Sample, Server, State
 from .policy import Decision, Policy, ServerStatus, step
@@ -83,8 +84,11 @@ class Watcher(LoggingConfigurable):
         free (the same make-room as the admin API, POST api/make-room). Only servers idle
         by every signal for at least min_free_gpu_memory_idle are parked; active, busy,
         exempt and kept-running servers never are. For GPUs shared by several servers,
-        e.g. 17179869184 (16 GiB) keeps room for an inference service. Needs NVML and a
-        driver with the CUDA checkpoint API (570+); without them it does nothing.""",
+        e.g. 17179869184 (16 GiB) keeps room for an inference service. On Kubernetes
+        (KubernetesBackend) the node agents read their GPUs (GET /v1/gpus) and the floor
+        holds for each GPU of each node, parking only servers on that GPU of that node.
+        Needs NVML and a driver with the CUDA checkpoint API (570+) where the GPUs are;
+        without them it does nothing.""",
     ).tag(config=True)
 
     min_free_gpu_memory_idle = Float(
@@ -125,7 +129,9 @@ class Watcher(LoggingConfigurable):
         self._exported: dict[str, tuple] = {}  # per-server values last set on them
         self._semaphore = asyncio.Semaphore(self.suspend_concurrency)
         self._room_lock = asyncio.Lock()  # one make-room at a time (API and ticks)
-        self._short_gpus: set[int] = set()  # GPUs below min_free_gpu_memory with nothing to park
+        self._short_gpus: set[tuple[str, int]] = set()  # (node, GPU) below min_free_gpu_memory, nothing to park
+        self._gpu_missing: set[str] = set()  # nodes whose GPU memory the last reading could not read
+        self._free_labels: set[tuple[str, str]] = set()  # gpusnap_gpu_free_bytes children set
         self._told_no_gpu = False
         self.ticks = 0
 
@@ -535,87 +541,163 @@ class Watcher(LoggingConfigurable):
         out.sort(key=lambda c: (c[0], c[1]))
         return out
 
-    def _held_on(self, gpu: int, servers: list[Server]) -> dict[str, int]:
-        """GPU memory each of ``servers`` holds on device ``gpu`` (blocking NVML: call in a thread)."""
-        pids_of = {s.key: tree_pids(s.pid) for s in servers}
-        per_pid = self.nvml.process_memory([p for pids in pids_of.values() for p in pids]).get(gpu, {})
-        return {key: sum(per_pid.get(p, 0) for p in pids) for key, pids in pids_of.items()}
+    async def _gpu_view(self, servers: list[Server]) -> GpuReading:
+        """Every GPU's free memory and the bytes each of ``servers`` holds on it.
 
-    async def make_room(self, nbytes: int, gpu: int | None = None, min_idle: float = 0.0,
-                        trigger: str = "api") -> dict:  # fmt: skip
+        From the backend where servers run elsewhere (Kubernetes: the node agents, per
+        node), else from NVML on this machine (servers by their process trees). No GPUs,
+        with the reason, where GPU memory cannot be freed (no NVML, or no CUDA
+        checkpoint API here).
+        """
+        remote = getattr(self.backend, "gpu_memory", None) if self.backend is not None else None
+        if remote is not None:
+            reading = await remote(servers)
+        elif not self.cuda.available():
+            reading = GpuReading(missing={"": self.cuda.reason or "no CUDA checkpoint API"})
+        else:
+            gpus = await asyncio.to_thread(local_gpus, self.nvml, servers)
+            reading = GpuReading(gpus, {} if gpus else {"": self.nvml.reason or "no GPU"})
+        if reading.gpus:  # some GPUs read: say which nodes could not be, when that changes
+            missing = set(reading.missing)
+            for place in sorted(missing - self._gpu_missing):
+                self.log.warning("free GPU memory of node %s not read: %s", place or "?", reading.missing[place])
+            for place in sorted(self._gpu_missing - missing):
+                self.log.info("free GPU memory of node %s read again", place or "?")
+            self._gpu_missing = missing
+        return reading
+
+    async def make_room(self, nbytes: int, gpu: int | None = None, node: str | None = None,
+                        min_idle: float = 0.0, trigger: str = "api") -> dict:  # fmt: skip
         """Park idle servers, the longest idle first, until ``nbytes`` of GPU memory are freed.
 
         Only servers idle by every signal (``idle`` or ``warned``) for at least ``min_idle``
         seconds that hold GPU memory are candidates; active, exempt and kept-running servers
         are never parked, and a server whose GPU is busy refuses (the driver lock times
-        out). With ``gpu`` (a device index) only servers holding memory on that GPU count,
-        and only their bytes on it. ``trigger`` (api, min_free_gpu_memory) labels the
-        metrics and the park events.
+        out). With ``gpu`` (a device index) and/or ``node`` (a Kubernetes node name) only
+        servers holding memory on those GPUs count, and only their bytes on them. On a hub
+        with GPUs on several nodes, ``gpu`` needs ``node``: :class:`RoomRequestError` says
+        so, as it does for a node with no known GPU. ``trigger`` (api,
+        min_free_gpu_memory) labels the metrics and the park events.
         """
         async with self._room_lock:
             candidates = self._room_candidates(self.clock(), min_idle)
-            on_gpu = None
-            if gpu is not None and candidates:
-                on_gpu = await asyncio.to_thread(self._held_on, gpu, [c[2] for c in candidates])
-                candidates = [c for c in candidates if on_gpu.get(c[1])]
-            where = f" on GPU {gpu}" if gpu is not None else ""
-            freed, parked = 0, []
-            for _, key, server, status in candidates:
-                if freed >= nbytes:
-                    break
-                detail = {"trigger": trigger} if gpu is None else {"trigger": trigger, "gpu": gpu}
-                result = await self.park(server, status, reason=f"make room for {nbytes} bytes{where}", detail=detail)
-                if result is not None and result.bytes_moved:
-                    freed += on_gpu[key] if on_gpu is not None else result.bytes_moved
-                    parked.append(key)
-                    self._set_state(status, State.parked, f"parked to make room on the GPU ({trigger})")
-            enough = freed >= nbytes
-            metrics.MAKE_ROOM.labels(trigger=trigger, result="enough" if enough else "short").inc()
-            if freed:
-                metrics.MAKE_ROOM_BYTES.labels(trigger=trigger).inc(freed)
-            if parked or trigger == "api":
-                self.log.info("make room for %d bytes%s (%s): freed %d by parking %s", nbytes, where, trigger,
-                              freed, ", ".join(parked) or "nothing")  # fmt: skip
-            result = {"requested_bytes": nbytes, "freed_bytes": freed, "parked": parked, "enough": enough}
-            if gpu is not None:
-                result["gpu"] = gpu
-            return result
+            if gpu is None and node is None:
+                return await self._park_for_room(nbytes, candidates, None, {}, trigger)
+            reading = await self._gpu_view([c[2] for c in candidates])
+            views = pick(reading.gpus, gpu, node)
+            held: dict[str, int] = {}
+            for view in views:
+                for key, n in view.held.items():
+                    held[key] = held.get(key, 0) + n
+            place: dict = {} if gpu is None else {"gpu": gpu}
+            nodes = {v.node for v in views}
+            if node is not None:
+                place["node"] = node
+            elif len(nodes) == 1 and "" not in nodes:
+                place["node"] = nodes.pop()  # the hub's only GPU node
+            return await self._park_for_room(nbytes, candidates, held, place, trigger)
+
+    async def _park_for_room(self, nbytes: int, candidates: list, held: dict[str, int] | None, place: dict,
+                             trigger: str) -> dict:  # fmt: skip
+        """Park ``candidates`` in order until ``nbytes`` are freed (callers hold _room_lock).
+
+        ``held``: each server's bytes on the GPUs asked about (only those servers are
+        parked, and only those bytes count); None: any GPU, counting the bytes each park
+        moved. ``place`` (``gpu``, ``node``) goes into the events and the answer.
+        """
+        where = ""
+        if "gpu" in place:
+            where += f" on GPU {place['gpu']}"
+        if place.get("node"):
+            where += f" of node {place['node']}" if "gpu" in place else f" on node {place['node']}"
+        freed, parked = 0, []
+        for _, key, server, status in candidates:
+            if freed >= nbytes:
+                break
+            if (held is not None and not held.get(key)) or status.state not in (State.idle, State.warned):
+                continue  # not on these GPUs, or parked meanwhile to make room on another
+            result = await self.park(server, status, reason=f"make room for {nbytes} bytes{where}",
+                                     detail={"trigger": trigger, **place})  # fmt: skip
+            if result is not None and result.bytes_moved:
+                freed += held[key] if held is not None else result.bytes_moved
+                parked.append(key)
+                self._set_state(status, State.parked, f"parked to make room on the GPU ({trigger})")
+        enough = freed >= nbytes
+        metrics.MAKE_ROOM.labels(trigger=trigger, result="enough" if enough else "short").inc()
+        if freed:
+            metrics.MAKE_ROOM_BYTES.labels(trigger=trigger).inc(freed)
+        if parked or trigger == "api":
+            self.log.info("make room for %d bytes%s (%s): freed %d by parking %s", nbytes, where, trigger,
+                          freed, ", ".join(parked) or "nothing")  # fmt: skip
+        return {"requested_bytes": nbytes, "freed_bytes": freed, "parked": parked, "enough": enough, **place}
+
+    def _export_free(self, gpus: list[GpuView]) -> None:
+        """gpusnap_gpu_free_bytes{node, gpu} of each GPU read; GPUs no longer read are dropped."""
+        seen = {(v.node, str(v.index)) for v in gpus}
+        for labels in self._free_labels - seen:
+            try:
+                metrics.GPU_FREE_BYTES.remove(*labels)
+            except KeyError:
+                pass
+        self._free_labels = seen
+        for view in gpus:
+            metrics.GPU_FREE_BYTES.labels(node=view.node, gpu=str(view.index)).set(view.free_bytes)
 
     async def keep_gpu_free(self) -> list[dict]:
         """Make room on each GPU with less free memory than :attr:`min_free_gpu_memory`.
 
-        Called once per tick; returns the make-room result of each GPU that was short.
-        Does nothing when the setting is 0, or without NVML or the driver's checkpoint API.
+        Called once per tick; returns the make-room result of each GPU that was short
+        (on Kubernetes, each GPU of each node, read from the node agents). Does nothing
+        when the setting is 0, or without NVML or the driver's checkpoint API.
         """
         target = self.min_free_gpu_memory
         if target <= 0:
             return []
-        free = await asyncio.to_thread(self.nvml.device_memory_free) if self.cuda.available() else []
-        if not free:
-            if not self._told_no_gpu:
-                self._told_no_gpu = True
-                why = self.nvml.reason if self.cuda.available() else self.cuda.reason
-                self.log.info("min_free_gpu_memory is set but GPU memory cannot be freed here (%s)", why or "no GPU")
-            return []
-        results = []
-        for gpu, have in enumerate(free):
-            metrics.GPU_FREE_BYTES.labels(gpu=str(gpu)).set(have)
-            if have >= target:
-                if gpu in self._short_gpus:
-                    self._short_gpus.discard(gpu)
-                    self.log.info("GPU %d: %d bytes free, min_free_gpu_memory %d met again", gpu, have, target)
-                continue
-            result = await self.make_room(target - have, gpu=gpu, min_idle=self.min_free_gpu_memory_idle,
-                                          trigger="min_free_gpu_memory")  # fmt: skip
-            results.append(result)
-            if not result["enough"] and gpu not in self._short_gpus:
-                self._short_gpus.add(gpu)  # said once per shortage, not every tick
-                self.log.warning(
-                    "GPU %d: %d bytes free, below min_free_gpu_memory %d, and no other server idle for "
-                    "min_free_gpu_memory_idle (%gs) holds memory on it",
-                    gpu, have + result["freed_bytes"], target, self.min_free_gpu_memory_idle,
-                )  # fmt: skip
-        return results
+        async with self._room_lock:
+            candidates = self._room_candidates(self.clock(), self.min_free_gpu_memory_idle)
+            servers = [c[2] for c in candidates]
+            local = getattr(self.backend, "gpu_memory", None) is None
+            # on this machine, who holds what (a /proc walk per server) only once a GPU is short
+            reading = await self._gpu_view([] if local else servers)
+            if local and servers and any(v.free_bytes < target for v in reading.gpus):
+                reading = await self._gpu_view(servers)
+            self._export_free(reading.gpus)
+            if not reading.gpus:
+                if not self._told_no_gpu:
+                    self._told_no_gpu = True
+                    self.log.info("min_free_gpu_memory is set but GPU memory cannot be freed here (%s)",
+                                  reading.why_none())  # fmt: skip
+                return []
+            results, parked = [], set()
+            for view in reading.gpus:
+                gpu = (view.node, view.index)
+                # servers parked for an earlier GPU of this pass freed their bytes on this one too
+                have = view.free_bytes + sum(view.held.get(key, 0) for key in parked)
+                if have >= target:
+                    if gpu in self._short_gpus:
+                        self._short_gpus.discard(gpu)
+                        self.log.info("%s: %d bytes free, min_free_gpu_memory %d met again", view.label, have, target)
+                    continue
+                if not view.can_park:
+                    if gpu not in self._short_gpus:
+                        self._short_gpus.add(gpu)
+                        self.log.warning(
+                            "%s: %d bytes free, below min_free_gpu_memory %d, but its node has no CUDA "
+                            "checkpoint API to park with (NVIDIA driver >= 570 needed)", view.label, have, target,
+                        )  # fmt: skip
+                    continue
+                place = {"gpu": view.index, "node": view.node} if view.node else {"gpu": view.index}
+                result = await self._park_for_room(target - have, candidates, view.held, place, "min_free_gpu_memory")
+                parked.update(result["parked"])
+                results.append(result)
+                if not result["enough"] and gpu not in self._short_gpus:
+                    self._short_gpus.add(gpu)  # said once per shortage, not every tick
+                    self.log.warning(
+                        "%s: %d bytes free, below min_free_gpu_memory %d, and no other server idle for "
+                        "min_free_gpu_memory_idle (%gs) holds memory on it",
+                        view.label, have + result["freed_bytes"], target, self.min_free_gpu_memory_idle,
+                    )  # fmt: skip
+            return results
 
     def _set_state(self, status: ServerStatus, state: State, reason: str, event: tuple[str, dict] | None = None) -> None:
         now = self.clock()

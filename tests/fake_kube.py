@@ -1370,10 +1370,10 @@ class Cluster:
         self.root = Path(root)
         self.kube = FakeKube(self.root / "kube")
         self.agent = None
+        self.agents: dict = {}  # node name -> its AgentApp (the first is self.agent)
+        self.trees: dict[str, NodeTree] = {}  # node name -> its /proc and cgroup tree
 
     async def start(self, **agent_config) -> Cluster:
-        from traitlets.config import Config
-
         from jupyterhub_gpusnap.agent.app import AgentApp
 
         await self.kube.start()
@@ -1387,28 +1387,11 @@ class Cluster:
         self.secret_file = self.root / "agent-secret"
         self.secret_file.write_text(AGENT_SECRET + "\n")
         self.tree = NodeTree(self.root / "node")
-        c = Config()
-        c.AgentApp.node_name = NODE
-        c.AgentApp.ip = "127.0.0.1"
-        c.AgentApp.port = 0
-        c.AgentApp.api_token_file = str(self.secret_file)
-        c.AgentApp.checkpoint_dir = str(self.kube.checkpoints)
-        c.AgentApp.restore_dir = str(self.root / "restore")
-        c.AgentApp.criu_path = CRIU
-        c.AgentApp.cpu_sample_seconds = 0.01
-        c.KubeAPI.api_url = self.kube.api_url
-        c.KubeAPI.token_file = str(self.agent_token_file)
-        c.KubeletClient.kubelet_scheme = "http"
-        c.KubeletClient.timeout_grace = 0.5
-        c.Shipper.registry_scheme = "http"
-        c.Shipper.chunk_size = 1 << 20
-        c.PodMapper.proc_root = str(self.tree.proc)
-        c.PodMapper.cgroup_root = str(self.tree.cgroup)
-        for key, value in agent_config.items():
-            section, _, name = key.partition("__")
-            setattr(c[section], name, value)
-        self.agent = AgentApp(config=c)
+        self._agent_config = agent_config
+        self.agent = AgentApp(config=self._config_for(NODE, "127.0.0.1", 0, self.tree, self.root / "restore"))
         await self.agent.start_server()
+        self.agents = {NODE: self.agent}
+        self.trees = {NODE: self.tree}
         # RBAC as the agent's ClusterRole grants it: what the agent uses (SSARs say allowed)
         self.kube.allow(
             *((n.verb, n.group, n.resource, n.subresource) for n in self.agent.rbac_needs())
@@ -1422,6 +1405,57 @@ class Cluster:
             gpus=0,
         )
         return self
+
+    def _config_for(self, node: str, ip: str, port: int, tree: NodeTree, restore_dir: Path):
+        """The agent's config on ``node``: listening on ``ip:port``, reading ``tree``."""
+        from traitlets.config import Config
+
+        c = Config()
+        c.AgentApp.node_name = node
+        c.AgentApp.ip = ip
+        c.AgentApp.port = port
+        c.AgentApp.api_token_file = str(self.secret_file)
+        c.AgentApp.checkpoint_dir = str(self.kube.checkpoints)
+        c.AgentApp.restore_dir = str(restore_dir)
+        c.AgentApp.criu_path = CRIU
+        c.AgentApp.cpu_sample_seconds = 0.01
+        c.KubeAPI.api_url = self.kube.api_url
+        c.KubeAPI.token_file = str(self.agent_token_file)
+        c.KubeletClient.kubelet_scheme = "http"
+        c.KubeletClient.timeout_grace = 0.5
+        c.Shipper.registry_scheme = "http"
+        c.Shipper.chunk_size = 1 << 20
+        c.PodMapper.proc_root = str(tree.proc)
+        c.PodMapper.cgroup_root = str(tree.cgroup)
+        for key, value in self._agent_config.items():
+            section, _, name = key.partition("__")
+            setattr(c[section], name, value)
+        return c
+
+    async def add_gpu_node(self, node: str, ip: str):
+        """A second (third, …) GPU node with its own real agent, /proc and cgroup tree.
+
+        Its agent listens on ``ip`` (another loopback address, e.g. 127.0.0.2) at the
+        first agent's port, since the hub side has one ``agent_port`` for all agents; its
+        agent pod carries ``ip`` as pod IP, so the hub side finds it by node as in a cluster.
+        """
+        from jupyterhub_gpusnap.agent.app import AgentApp
+
+        self.kube.add_node(node)
+        tree = NodeTree(self.root / f"node-{node}")
+        agent = AgentApp(config=self._config_for(node, ip, self.agent.port, tree, self.root / f"restore-{node}"))
+        await agent.start_server()
+        self.agents[node], self.trees[node] = agent, tree
+        self.kube.add_pod(
+            "gpusnap",
+            f"gpusnap-agent-{node}",
+            node,
+            container="agent",
+            labels={"app.kubernetes.io/name": "jupyterhub-gpusnap-agent"},
+            pod_ip=ip,
+            gpus=0,
+        )
+        return agent
 
     @property
     def agent_url(self) -> str:
@@ -1470,9 +1504,10 @@ class Cluster:
         workload: Workload | None = None,
         name: str = "",
         placeholder_for: str = "",
+        node: str = NODE,
     ) -> dict:
-        """A user's server pod; with ``placeholder_for`` the placeholder SnapKubeSpawner
-        creates to restore that checkpoint image into."""
+        """A user's server pod (on ``node``); with ``placeholder_for`` the placeholder
+        SnapKubeSpawner creates to restore that checkpoint image into."""
         pod = f"jupyter-{user}" + (f"--{name}" if name else "")
         annotations = {"hub.jupyter.org/username": user, "hub.jupyter.org/servername": name}
         if placeholder_for:
@@ -1480,7 +1515,7 @@ class Cluster:
         return self.kube.add_pod(
             "jhub",
             pod,
-            NODE,
+            node,
             workload=workload,
             labels={"component": "singleuser-server", "hub.jupyter.org/username": user},
             annotations=annotations,
@@ -1494,14 +1529,15 @@ class Cluster:
         return await self.agent_call("POST", "/v1/restore", body)
 
     def map_process(self, pod: dict, pid: int, usage_usec: int = 0) -> None:
-        """Make ``pid`` a process of ``pod``'s first container, as the node's /proc and
-        cgroup tree show it to the agent."""
+        """Make ``pid`` a process of ``pod``'s first container, as the /proc and cgroup
+        tree of the pod's node show it to that node's agent."""
         status_id = pod["status"]["containerStatuses"][0]["containerID"]
-        self.tree.add_pod_process(pid, pod["metadata"]["uid"], container_id(status_id), usage_usec)
+        tree = self.trees.get(pod["spec"]["nodeName"], self.tree)
+        tree.add_pod_process(pid, pod["metadata"]["uid"], container_id(status_id), usage_usec)
 
     async def stop(self) -> None:
-        if self.agent is not None:
-            await self.agent.stop_server()
+        for agent in self.agents.values():
+            await agent.stop_server()
         await self.kube.stop()
 
 

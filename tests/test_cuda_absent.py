@@ -115,7 +115,9 @@ class FakeNvmlLib:
     """The pynvml functions the project calls, answering for made-up devices.
 
     ``devices``: dicts with ``name``, ``procs`` ({pid: bytes}), ``samples``
-    ([(timestamp, pid, smUtil)]), ``util`` (device percent), ``per_process`` (supported).
+    ([(timestamp, pid, smUtil)]), ``util`` (device percent), ``per_process`` (supported),
+    and optionally ``total`` and ``free`` (bytes; default 80 and 70 GiB) and ``uuid``
+    (without it nvmlDeviceGetUUID answers NOT_SUPPORTED).
     """
 
     def __init__(self, devices):
@@ -140,7 +142,14 @@ class FakeNvmlLib:
         return self.devices[h]["name"]
 
     def nvmlDeviceGetMemoryInfo(self, h):
-        return SimpleNamespace(total=80 * GiB, free=70 * GiB, used=10 * GiB)
+        dev = self.devices[h]
+        total, free = dev.get("total", 80 * GiB), dev.get("free", 70 * GiB)
+        return SimpleNamespace(total=total, free=free, used=total - free)
+
+    def nvmlDeviceGetUUID(self, h):
+        if "uuid" not in self.devices[h]:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return self.devices[h]["uuid"]
 
     def nvmlDeviceGetComputeRunningProcesses(self, h):
         return [

@@ -199,12 +199,12 @@ async def test_min_free_gpu_memory_parks_the_longest_idle_on_the_short_gpu_only(
         == runs + 1
     )
     assert metric("gpusnap_make_room_bytes_total", trigger="min_free_gpu_memory") == moved + 30 * U
-    assert metric("gpusnap_gpu_free_bytes", gpu="0") == 5 * U
-    assert metric("gpusnap_gpu_free_bytes", gpu="1") == 60 * U
+    assert metric("gpusnap_gpu_free_bytes", node="", gpu="0") == 5 * U
+    assert metric("gpusnap_gpu_free_bytes", node="", gpu="1") == 60 * U
 
     # the next tick finds 35 U free: nothing to do
     assert await watcher.keep_gpu_free() == []
-    assert metric("gpusnap_gpu_free_bytes", gpu="0") == 35 * U
+    assert metric("gpusnap_gpu_free_bytes", node="", gpu="0") == 35 * U
     assert driver.states[bob] == RUNNING
 
     # a larger target: bob is next (erin has still not been idle long enough)

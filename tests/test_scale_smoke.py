@@ -101,7 +101,7 @@ async def test_tick_is_paginated_and_decides_every_server(population, tmp_path):
     watcher.min_free_gpu_memory = 4 * U
     short = metric("gpusnap_make_room_total", trigger="min_free_gpu_memory", result="short")
     await watcher.tick()
-    assert metric("gpusnap_gpu_free_bytes", gpu="0") == 2 * U
+    assert metric("gpusnap_gpu_free_bytes", node="", gpu="0") == 2 * U
     assert (
         metric("gpusnap_make_room_total", trigger="min_free_gpu_memory", result="short")
         == short + 1

@@ -15,6 +15,10 @@ request carries ``Authorization: Bearer <token>``; errors are
   or driver cannot take, fetch by digest, unpack, ``criu restore`` into the placeholder
   pod's container (its root, net/ipc/uts namespaces and cgroup), resume GPU memory
 - ``POST /v1/park`` / ``/v1/unpark`` → GPU memory of a pod to host memory and back
+- ``GET /v1/gpus`` → per GPU of the node ``index``, ``uuid``, ``total_bytes``,
+  ``free_bytes`` and ``pods`` (``namespace/pod`` → bytes held on it), with
+  ``checkpoint_api`` (whether pods here can be parked); ``{"gpus": [], "reason"}``
+  without NVML. What make-room on Kubernetes reads.
 - ``GET /v1/doctor`` → node-side readiness checks
 """
 
@@ -53,6 +57,7 @@ from ..checkpoint import criu as criu_tools
 from ..checkpoint.base import CheckpointError, CheckpointRefused
 from ..checkpoint.cuda import CudaCheckpoint
 from ..checkpoint.gpucompat import GpuNeeds, gpu_difference
+from ..gpuview import agent_payload, read_devices
 from ..park import Parking
 from ..park import park as park_pids
 from ..park import unpark as unpark_pids
@@ -61,6 +66,7 @@ from .errors import AgentError, need
 from .handlers import (
     CheckpointHandler,
     DoctorHandler,
+    GpusHandler,
     HealthHandler,
     ParkHandler,
     RestoreHandler,
@@ -282,6 +288,7 @@ class AgentApp(Application):
             (r"/v1/restore", RestoreHandler),
             (r"/v1/park", ParkHandler),
             (r"/v1/unpark", UnparkHandler),
+            (r"/v1/gpus", GpusHandler),
             (r"/v1/doctor", DoctorHandler),
         ]
         return web.Application(
@@ -493,6 +500,30 @@ class AgentApp(Application):
             "gpu_memory_bytes": sum(sum(d.values()) for d in memory.values()),
             "gpu_count": len(memory),
         }
+
+    async def gpus(self) -> dict:
+        """This node's GPUs: free and total memory, and the bytes each pod holds on each.
+
+        What make-room reads on Kubernetes (the service has no GPU): one pod list, one
+        /proc scan and one pass over the devices, however many pods run here.
+        ``checkpoint_api`` says whether pods here can be parked at all.
+        """
+        if not await asyncio.to_thread(self.nvml.open):
+            reason = self.nvml.reason or "NVML unavailable"
+            return {"node": self.node_name, "gpus": [], "reason": reason}
+        pods = await self.node_pods()
+        procs = await asyncio.to_thread(self.mapper.scan)
+        owners = {
+            key: procs[pod["metadata"]["uid"]].pids
+            for key, pod in pods.items()
+            if pod["metadata"]["uid"] in procs
+        }
+        views = await asyncio.to_thread(read_devices, self.nvml, owners, self.node_name)
+        out: dict = {"node": self.node_name, "gpus": [agent_payload(v) for v in views]}
+        out["checkpoint_api"] = await asyncio.to_thread(self.cuda.available)
+        if not out["checkpoint_api"]:
+            out["checkpoint_api_reason"] = self.cuda.reason
+        return out
 
     async def pod_on_node(self, namespace: str, name: str) -> dict:
         pod = await self.api.get_pod(namespace, name)

@@ -96,6 +96,11 @@ class SignalsHandler(AgentHandler):
         self.send(await self.agent.signals(keys))
 
 
+class GpusHandler(AgentHandler):
+    async def get(self) -> None:
+        self.send(await self.agent.gpus())
+
+
 class CheckpointHandler(AgentHandler):
     async def post(self) -> None:
         self.send(await self.agent.checkpoint(self.body()))

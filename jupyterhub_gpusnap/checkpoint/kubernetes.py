@@ -23,6 +23,7 @@ frees the GPU.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import os
@@ -36,6 +37,7 @@ from traitlets.config import LoggingConfigurable
 
 from ..agent.errors import AgentError
 from ..agent.kubelet import KubeAPI
+from ..gpuview import GpuReading, from_agent
 from ..model import Server
 from . import oci
 from .base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
@@ -144,8 +146,22 @@ class AgentLocator(LoggingConfigurable):
                 "deploy the agent DaemonSet on GPU nodes (tolerations, nodeSelector) or fix agent_label_selector",
                 503,
             )
-        ip = ready[0]["status"]["podIP"]
+        return self.url_of(ready[0])
+
+    def url_of(self, agent_pod: dict) -> str:
+        """Base URL of the agent API served by ``agent_pod`` (a running agent pod)."""
+        ip = agent_pod["status"]["podIP"]
         return f"{self.agent_scheme}://{'[' + ip + ']' if ':' in ip else ip}:{self.agent_port}"
+
+    async def agent_urls(self) -> dict[str, str]:
+        """Base URL of the agent on every node that runs one (node name → URL): one list call."""
+        pods = await self.api.list_pods(self.agent_namespace, label_selector=self.agent_label_selector)
+        urls: dict[str, str] = {}
+        for pod in pods:
+            node = (pod.get("spec") or {}).get("nodeName")
+            if node and node not in urls and (pod.get("status") or {}).get("podIP"):
+                urls[node] = self.url_of(pod)
+        return urls
 
     async def node_of(self, namespace: str, pod: str) -> str:
         obj = await self.api.get_pod(namespace, pod)
@@ -247,6 +263,13 @@ class KubernetesBackend(CheckpointBackend):
 
     docker_config_path = Unicode(
         "", help="Docker config JSON with the registry credentials the service uses for deletes."
+    ).tag(config=True)
+
+    gpu_memory_timeout = Float(
+        10.0,
+        help="Seconds each node agent may take to answer GET /v1/gpus when the service reads "
+        "free GPU memory per node (make-room, Watcher.min_free_gpu_memory). A node whose agent "
+        "does not answer in time is left out of that tick (logged) and read again on the next.",
     ).tag(config=True)
 
     locator = Instance(AgentLocator)
@@ -385,6 +408,45 @@ class KubernetesBackend(CheckpointBackend):
             bytes_moved=int(result.get("bytes", 0)),
             seconds=float(result.get("seconds", 0.0)),
         )
+
+    async def gpu_memory(self, servers: list[Server]) -> GpuReading:
+        """Free memory of every GPU on every node with an agent, and the bytes each of
+        ``servers`` holds on each.
+
+        Asks every agent pod (``GET /v1/gpus``), not only those on nodes that run
+        ``servers``: one list of the agent pods instead of one pod lookup per server,
+        and a node whose GPU is short through other workloads still shows in
+        ``gpusnap_gpu_free_bytes``. Agents are asked side by side; one that fails or has
+        no NVML is named in ``missing`` and the other nodes are still read.
+        """
+        server_of_pod = {"/".join(self.locator.pod_of(s)): s.key for s in servers}
+        reading = GpuReading()
+        try:
+            urls = await self.locator.agent_urls()
+        except AgentError as e:
+            reading.missing[""] = f"cannot list the agent pods: {e}"
+            return reading
+        if not urls:
+            reading.missing[""] = (
+                f"no gpusnap agent pod runs (selector {self.locator.agent_label_selector} in "
+                f"namespace {self.locator.agent_namespace})"
+            )
+            return reading
+        nodes = sorted(urls)
+        answers = await asyncio.gather(
+            *(self.locator.call(urls[n], "GET", "/v1/gpus", timeout=self.gpu_memory_timeout) for n in nodes),
+            return_exceptions=True,
+        )
+        for node, answer in zip(nodes, answers, strict=True):
+            if isinstance(answer, AgentError):
+                reading.missing[node] = str(answer)
+            elif isinstance(answer, BaseException):
+                reading.missing[node] = f"{type(answer).__name__}: {answer}"
+            elif not answer.get("gpus"):
+                reading.missing[node] = answer.get("reason") or "no GPU"
+            else:
+                reading.gpus += from_agent(node, answer, server_of_pod)
+        return reading
 
     async def restore(self, info: CheckpointInfo, namespace: str, pod: str) -> int:
         """Ask the agent on ``pod``'s node to restore ``info`` into it; return the restored PID."""

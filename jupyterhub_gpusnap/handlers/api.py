@@ -8,6 +8,7 @@ from datetime import datetime
 from tornado import web
 
 from .. import __version__
+from ..gpuview import RoomRequestError
 from ..model import Server, State, server_key
 from .base import APIHandler, iso
 
@@ -197,4 +198,11 @@ class MakeRoomHandler(APIHandler):
         gpu = body.get("gpu")
         if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0):
             raise web.HTTPError(400, "'gpu' must be a GPU index (0, 1, …) as nvidia-smi numbers them, or left out")
-        self.write_json(await self.gpusnap.watcher.make_room(nbytes, gpu=gpu))
+        node = body.get("node")
+        if node is not None and (not isinstance(node, str) or not node):
+            raise web.HTTPError(400, "'node' must be a Kubernetes node name (kubectl get nodes), or left out")
+        try:
+            result = await self.gpusnap.watcher.make_room(nbytes, gpu=gpu, node=node)
+        except RoomRequestError as e:
+            raise web.HTTPError(400, str(e)) from None
+        self.write_json(result)

@@ -110,6 +110,19 @@ class Nvml:
             names.append(n.decode() if isinstance(n, bytes) else str(n))
         return names
 
+    def device_uuids(self) -> list[str]:
+        """Each GPU's UUID (``GPU-…``) by device index, ``""`` where NVML does not give it."""
+        if not self.open():
+            return []
+        out = []
+        for h in self._handles:
+            try:
+                u = self._module.nvmlDeviceGetUUID(h)
+                out.append(u.decode() if isinstance(u, bytes) else str(u))
+            except Exception:  # not supported by this driver or NVML build
+                out.append("")
+        return out
+
     def device_memory_total(self) -> list[int]:
         if not self.open():
             return []
