@@ -254,6 +254,8 @@ async def main(sizes: list[float], root: Path, repeat: int, gpus: int, storage: 
         runs = []
         for r in range(repeat):
             run = await one_run(gib, root, backend, criu, gpus, bare_first=bool(r % 2))
+            run["disk_write_GBps"] = disk
+            add_disk_bound(run)
             runs.append(run)
             print(f"{gib:g} GiB x {gpus} GPU run {r + 1}: {run}", flush=True)
         row = {"gib": gib, "gpus": gpus, "storage": storage, "repeat": repeat}
@@ -267,8 +269,6 @@ async def main(sizes: list[float], root: Path, repeat: int, gpus: int, storage: 
             for k in ("time_to_gpu_free_s", "time_to_disk_s", "restore_s", "driver_checkpoint_s", "driver_restore_s"):
                 row[f"one_gpu_{k}"] = median([x[k] for x in one])
                 row[f"ratio_to_1gpu_{k}"] = round(row[k] / row[f"one_gpu_{k}"], 3)
-        row["disk_write_GBps"] = disk
-        add_disk_bound(row)
         row["runs"] = runs
         row["machine"] = about
         rows.append(row)
