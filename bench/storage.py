@@ -20,8 +20,9 @@ part of it CRIU ran (streamed: reading the chunks happens meanwhile). Ratios are
 ``files`` row of the same data in the same run. ``intact``: the data's sha256 after the
 restore equals the one before.
 
-Usage: ``python bench/storage.py [--gib 4] [--kinds weights random] [--dir DIR]``
-→ bench/results/storage.json. Needs root and CRIU >= 4.2.
+Usage: ``python bench/storage.py [--gib 4] [--kinds weights random] [--dir DIR] [--warm]``
+→ bench/results/storage.json (``--warm``: the image left in the page cache before each
+restore, which separates reading the disk from the rest → storage_warm.json). Needs root and CRIU >= 4.2.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ async def cycle(backend: LocalBackend, h: Holder, name: str) -> dict:
         h.proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         pass
-    await asyncio.to_thread(drop_image, backend, info.id)
+    if not WARM:
+        await asyncio.to_thread(drop_image, backend, info.id)
     t = time.monotonic()
     pid, _, _ = await backend.restore(info)
     restore_s = time.monotonic() - t
@@ -120,6 +122,9 @@ def kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+WARM = False  # --warm: leave the image in the page cache (separates reading the disk from the rest)
 
 
 async def main(gib: float, kinds: list[str], root: Path, level: int) -> None:
@@ -169,8 +174,8 @@ async def main(gib: float, kinds: list[str], root: Path, level: int) -> None:
     print()
     table = print_table(rows, COLUMNS)
     write_json(
-        "storage", rows, data=how, compression_level=level, table=table,
-        average_chunk_bytes=chunks.average_chunk_bytes,
+        "storage_warm" if WARM else "storage", rows, data=how, compression_level=level, table=table,
+        average_chunk_bytes=chunks.average_chunk_bytes, cold_cache=not WARM,
     )
     shutil.rmtree(root, ignore_errors=True)
 
@@ -181,5 +186,7 @@ if __name__ == "__main__":
     p.add_argument("--kinds", nargs="*", default=["weights", "random"])
     p.add_argument("--level", type=int, default=1, help="LocalBackend.compression_level")
     p.add_argument("--dir", default="/var/tmp/gpusnap-storage-bench")
+    p.add_argument("--warm", action="store_true", help="restore with the image in the page cache (storage_warm.json)")
     a = p.parse_args()
+    WARM = a.warm
     asyncio.run(main(a.gib, a.kinds, Path(a.dir), a.level))
