@@ -9,7 +9,9 @@ before each (root only; ``cold`` says whether it was):
 - ``stream``: the same through ``ChunkStreamer`` over its socket and a pipe, read by this
   process as CRIU would read it (``read()`` into one buffer) — what CRIU could at best get;
 - ``unpack``: ``ChunkStore.unpack`` of the whole file to /dev/shm (any order) — the older
-  restore's first half.
+  restore's first half;
+- ``stream`` once more with the chunks left in the page cache (``cold`` false): what the
+  streamer delivers when the disk is out of the way.
 
 Usage: ``python bench/chunk_read.py [--gib 4] [--kind weights|random] [--dir DIR]`` →
 bench/results/chunk_read.json.
@@ -105,8 +107,8 @@ def main(gib: float, kind: str, root: Path) -> None:
     refs = chunks[NAME]
     rows = []
 
-    def measure(what: str, fn, window: int | None = None) -> None:
-        cold = drop_caches()
+    def measure(what: str, fn, window: int | None = None, warm: bool = False) -> None:
+        cold = False if warm else drop_caches()
         t = time.perf_counter()
         got = fn()
         dt = time.perf_counter() - t
@@ -129,6 +131,7 @@ def main(gib: float, kind: str, root: Path) -> None:
         measure("decode in order", lambda w=window: decode_in_order(store, refs, w), window)
         measure("stream", lambda w=window: stream(store, chunks, size, w), window)
     measure("unpack", unpack)
+    measure("stream", lambda: stream(store, chunks, size, 4 * threads), 4 * threads, warm=True)
     table = print_table(rows, ["what", "window", "cold", "bytes", "seconds", "GBps"])
     write_json("chunk_read", rows, data=how, gib=gib, threads=threads, chunks=len(refs), table=table)
     shutil.rmtree(root, ignore_errors=True)
