@@ -31,6 +31,26 @@ async def wait_state(km, kid, state, timeout=30):
     raise AssertionError(f"kernel never became {state}")
 
 
+async def start_cell(km, kid, code):
+    """Run ``code`` in kernel ``kid`` and wait until the kernel manager sees it busy.
+
+    The manager's own view is waited on first: a cell sent before its iopub subscription
+    is up would go busy and idle unseen on a loaded machine. A kernel_info request makes
+    the kernel publish busy/idle; once the manager has seen that idle it is listening."""
+    client = km.get_kernel(kid).client()
+    client.start_channels()
+    for _ in range(600):
+        client.kernel_info()
+        await asyncio.sleep(0.05)
+        if km.get_kernel(kid).execution_state == "idle":
+            break
+    else:
+        raise AssertionError("the kernel manager never saw the kernel idle")
+    client.execute(code)
+    await wait_state(km, kid, "busy")
+    return client
+
+
 async def test_busy_parked_kernel_is_unparked_and_idle_ones_are_not(tmp_path):
     km = AsyncMappingKernelManager(root_dir=str(tmp_path))
     busy_id = await km.start_kernel()
@@ -46,10 +66,7 @@ async def test_busy_parked_kernel_is_unparked_and_idle_ones_are_not(tmp_path):
         assert watcher.parked_kernels() == {busy_id: [busy_pid], idle_id: [idle_pid]}
         assert await watcher.check_once() == []  # nobody is running a cell
 
-        client = km.get_kernel(busy_id).client()
-        client.start_channels()
-        client.execute("import time; time.sleep(3)")
-        await wait_state(km, busy_id, "busy")
+        client = await start_cell(km, busy_id, "import time; time.sleep(3)")
         assert await watcher.check_once() == [busy_id]
         assert driver.states[busy_pid] == RUNNING
         assert driver.states[idle_pid] == CHECKPOINTED  # the idle kernel stays parked
@@ -96,10 +113,7 @@ async def test_the_state_says_resuming_while_an_unpark_runs(tmp_path):
         assert state["resuming"] is False and state["last_unpark"] is None
         assert state["watching"] is False  # not started: check_once is driven by the test
 
-        client = km.get_kernel(kid).client()
-        client.start_channels()
-        client.execute("import time; time.sleep(5)")
-        await wait_state(km, kid, "busy")
+        client = await start_cell(km, kid, "import time; time.sleep(5)")
         before = time.time()
         check = asyncio.ensure_future(watcher.check_once())
         while not driver.restoring.is_set():
@@ -133,10 +147,7 @@ async def test_a_failed_unpark_does_not_stay_resuming(tmp_path):
         driver.states[pid] = CHECKPOINTED
         driver.fail_restore.add(pid)  # no room on the GPU: the driver refuses
         watcher = AutoUnpark(km, cuda=CudaCheckpoint(driver=driver, log=log), log=log)
-        client = km.get_kernel(kid).client()
-        client.start_channels()
-        client.execute("import time; time.sleep(5)")
-        await wait_state(km, kid, "busy")
+        client = await start_cell(km, kid, "import time; time.sleep(5)")
         with pytest.raises(CheckpointError, match="host RAM"):
             await watcher.check_once()  # run() logs it and tries again on its next look
         assert watcher.state()["resuming"] is False
