@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from gpusnap_service import GpuSnapService
 from realhub import free_port
-from test_autounpark import SlowRestoreLibcuda
+from test_autounpark import SlowRestoreLibcuda, start_cell
 from test_cuda_absent import CHECKPOINTED, RUNNING
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
@@ -258,13 +258,12 @@ async def test_resuming_is_shown_while_a_busy_parked_kernel_gets_its_gpu_memory_
     watcher = AutoUnpark(km, cuda=CudaCheckpoint(driver=driver), interval=0.05)
     app.web_app.settings["gpusnap_autounpark"] = watcher
     watcher.start()
-    client = km.get_kernel(kernel["id"]).client()
+    client = None
     try:
         code, state = await local_get(base, token, "gpusnap/autounpark")
         assert code == 200 and state["watching"] is True and state["resuming"] is False
 
-        client.start_channels()
-        client.execute("import time; time.sleep(5)")  # the user runs a cell
+        client = await start_cell(km, kernel["id"], "import time; time.sleep(5)")  # the user runs a cell
         for _ in range(400):
             if driver.restoring.is_set():
                 break
@@ -289,7 +288,8 @@ async def test_resuming_is_shown_while_a_busy_parked_kernel_gets_its_gpu_memory_
     finally:
         driver.go.set()
         watcher.stop()
-        client.stop_channels()
+        if client is not None:
+            client.stop_channels()
 
 
 async def post_json(base: str, token: str, path: str, body: dict) -> tuple[int, dict]:
