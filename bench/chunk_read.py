@@ -55,7 +55,7 @@ def decode_in_order(store: ChunkStore, refs: list, window: int) -> int:
         while len(ahead) < window and i < len(refs):
             if i + 4 * window < len(refs):
                 store.prefetch("plain", refs[i + 4 * window][0])
-            ahead.append(store.pool.submit(store._get, "plain", refs[i][0], refs[i][1]))
+            ahead.append(store.pool.submit(store.get, "plain", refs[i][0], refs[i][1]))
             i += 1
         n += len(ahead.popleft().result())
     return n

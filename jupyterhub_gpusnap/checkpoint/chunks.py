@@ -285,7 +285,7 @@ class ChunkStore:
         return out
 
     # ------------------------------------------------------------ read
-    def _get(self, space: str, cid: str, length: int) -> bytes:
+    def get(self, space: str, cid: str, length: int) -> bytes:
         """One chunk's plaintext, checked against its id (ValueError names what is wrong)."""
         path = self.path(space, cid)
         try:
@@ -315,9 +315,9 @@ class ChunkStore:
 
     def prefetch(self, space: str, cid: str) -> None:
         """Have the kernel start reading a chunk now (``POSIX_FADV_WILLNEED``, which returns
-        at once) so that the :meth:`_get` that follows finds it in memory: many reads in
+        at once) so that the :meth:`get` that follows finds it in memory: many reads in
         flight instead of one small read-ahead per chunk. A missing chunk is left for
-        :meth:`_get` to report."""
+        :meth:`get` to report."""
         try:
             fd = os.open(self.path(space, cid), os.O_RDONLY)
         except OSError:
@@ -330,7 +330,7 @@ class ChunkStore:
             os.close(fd)
 
     def _get_into(self, fd: int, space: str, cid: str, length: int, offset: int) -> None:
-        _pwrite_all(fd, self._get(space, cid, length), offset)
+        _pwrite_all(fd, self.get(space, cid, length), offset)
 
     def unpack(
         self, space: str, chunks: dict[str, list], sizes: dict[str, int], dest: Path
@@ -374,7 +374,7 @@ class ChunkStore:
         for name, refs in chunks.items():
             for cid, length in refs:
                 seen.setdefault(cid, (name, length))
-        futs = {cid: self.pool.submit(self._get, space, cid, n) for cid, (_, n) in seen.items()}
+        futs = {cid: self.pool.submit(self.get, space, cid, n) for cid, (_, n) in seen.items()}
         problems = []
         for cid, fut in futs.items():
             try:

@@ -180,7 +180,7 @@ class ChunkStreamer:
         try:
             refs = self.chunks[name]
             ahead: collections.deque = collections.deque()
-            pool, get, prefetch = self.store.pool, self.store._get, self.store.prefetch
+            pool, get, prefetch = self.store.pool, self.store.get, self.store.prefetch
             nxt = 0  # the next chunk to decode
             for cid, _ in refs[: self.prefetch]:
                 prefetch(self.space, cid)
