@@ -514,6 +514,16 @@ def give_node_gpus(
     agent.cuda = CudaCheckpoint(parent=agent, driver=libcuda, nvml=agent.nvml)
 
 
+def gpu_user_pod(cluster: Cluster, work: Workload, models: list[str], gpu: int, nbytes: int) -> FakeLibcuda:
+    """alice's pod running ``work``, whose process holds ``nbytes`` on GPU ``gpu`` of a node
+    with GPUs ``models``; the node's (fake) driver, which knows that process."""
+    pod = cluster.add_user_pod("alice", work)
+    cluster.map_process(pod, work.pid)
+    libcuda = FakeLibcuda([work.pid])
+    give_node_gpus(cluster, libcuda, models, held={gpu: {work.pid: nbytes}})
+    return libcuda
+
+
 REFUSALS = {
     "other-model": (
         [A100, A100],
@@ -544,11 +554,8 @@ async def test_gpu_checkpoint_records_its_gpus_and_restores_only_where_they_matc
     work = Workload(tmp_path).start()
     try:
         before = await work.wait_lines(3)
-        pod = cluster.add_user_pod("alice", work)
-        cluster.map_process(pod, work.pid)
-        libcuda = FakeLibcuda([work.pid])
         # a two-GPU H100 node; the server's process holds 2 GiB on GPU 1
-        give_node_gpus(cluster, libcuda, [H100, H100], held={1: {work.pid: 2 << 30}})
+        libcuda = gpu_user_pod(cluster, work, [H100, H100], gpu=1, nbytes=2 << 30)
         pvc = tmp_path / "pvc"
         pvc.mkdir()
 
@@ -698,10 +705,7 @@ async def test_backend_parks_and_unparks_a_pods_gpu_memory_through_the_agent(tmp
     work = Workload(tmp_path).start()
     try:
         await work.wait_lines(1)
-        pod = cluster.add_user_pod("alice", work)
-        cluster.map_process(pod, work.pid)
-        libcuda = FakeLibcuda([work.pid])
-        give_node_gpus(cluster, libcuda, [H100], held={0: {work.pid: 3 << 30}})
+        libcuda = gpu_user_pod(cluster, work, [H100], gpu=0, nbytes=3 << 30)
         backend = KubernetesBackend(config=cluster.hub_config())
 
         libcuda.busy.add(work.pid)  # a cell is running on the GPU
@@ -746,10 +750,7 @@ async def test_agent_restarted_after_dying_mid_checkpoint_gives_the_gpu_memory_b
     work = Workload(tmp_path).start()
     try:
         await work.wait_lines(1)
-        pod = cluster.add_user_pod("alice", work)
-        cluster.map_process(pod, work.pid)
-        libcuda = FakeLibcuda([work.pid])
-        give_node_gpus(cluster, libcuda, [H100], held={0: {work.pid: 2 << 30}})
+        libcuda = gpu_user_pod(cluster, work, [H100], gpu=0, nbytes=2 << 30)
         agent = cluster.agent
         # the state a crash mid-upload leaves: GPU memory frozen, its record, the archive
         await agent.cuda.suspend([work.pid])
