@@ -221,16 +221,7 @@ class Shipper(LoggingConfigurable):
         registry manifest's annotations (checked against the digest) or the PVC record.
         None when the image records nothing about GPUs (taken by an older agent)."""
         if image.startswith("/"):
-            record = Path(image).with_suffix(".json")
-            try:
-                annotations = json.loads(record.read_text()).get("annotations") or {}
-            except (OSError, ValueError, AttributeError) as e:
-                raise AgentError(
-                    f"cannot read checkpoint {image}: {e}",
-                    "mount the snapshot PVC into the agent pod at the same path",
-                    404,
-                ) from e
-            return GpuNeeds.from_annotations(annotations)
+            return GpuNeeds.from_annotations(_pvc_record(image).get("annotations") or {})
         try:
             ref = oci.ImageRef.parse(image)
         except ValueError as e:
@@ -263,16 +254,11 @@ class Shipper(LoggingConfigurable):
         loop = asyncio.get_running_loop()
         if image.startswith("/"):
             archive = Path(image)
-            record = archive.with_suffix(".json")
             try:
-                want = json.loads(record.read_text())["digest"]
+                want = _pvc_record(image)["digest"]
                 got, _ = await loop.run_in_executor(None, oci.sha256_file, archive)
-            except (OSError, ValueError, KeyError) as e:
-                raise AgentError(
-                    f"cannot read checkpoint {image}: {e}",
-                    "mount the snapshot PVC into the agent pod at the same path",
-                    404,
-                ) from e
+            except (OSError, KeyError) as e:
+                raise _pvc_unreadable(image, e) from e
             if got != want:
                 raise AgentError(
                     f"checkpoint {image} is corrupt ({got}, recorded {want})",
@@ -294,6 +280,25 @@ class Shipper(LoggingConfigurable):
         if archive.parent == dest:
             archive.unlink()
         return images
+
+
+def _pvc_unreadable(image: str, e: Exception) -> AgentError:
+    return AgentError(
+        f"cannot read checkpoint {image}: {e}",
+        "mount the snapshot PVC into the agent pod at the same path",
+        404,
+    )
+
+
+def _pvc_record(image: str) -> dict:
+    """The JSON record next to a checkpoint archive on the snapshot PVC."""
+    try:
+        record = json.loads(Path(image).with_suffix(".json").read_text())
+    except (OSError, ValueError) as e:
+        raise _pvc_unreadable(image, e) from e
+    if not isinstance(record, dict):
+        raise _pvc_unreadable(image, ValueError("the record is not a JSON object"))
+    return record
 
 
 def _registry_fix(e: oci.RegistryError) -> str:
