@@ -47,7 +47,9 @@ def server_of(tree):
 
 async def test_encrypted_chunks_round_trip_share_and_sweep(tmp_path, process_tree, key_file, monkeypatch, capsys):
     monkeypatch.setenv("JUPYTERHUB_API_TOKEN", TOKEN)
-    backend = make_backend(tmp_path, encryption_key_file=str(key_file), keep_last=1)
+    backend = make_backend(
+        tmp_path, encryption_key_file=str(key_file), keep_last=1, restore_pipe_bytes=256 << 10
+    )
     tree = process_tree(pidns=True)
     await tree.wait_ready()
     before = await tree.ask("inc")
@@ -73,6 +75,10 @@ async def test_encrypted_chunks_round_trip_share_and_sweep(tmp_path, process_tre
     after = await tree.ask("inc")
     assert after["secret"] == before["secret"] and after["count"] == before["count"] + 1
     assert not list(folder.glob("*.img")), "unpacked files stay after the restore"
+    # streamed: CRIU's files came through pipes of the configured size
+    phases = Manifest.load(folder).extra["restore_phases"]
+    assert phases["pipe_bytes"] == 256 << 10
+    assert phases["stream_waited_storage_s"] >= 0 and phases["stream_waited_criu_s"] >= 0
 
     # The same server suspended again: most of its memory is already stored.
     info2 = await backend.checkpoint(server_of(tree))
@@ -155,6 +161,12 @@ async def test_rotation_without_the_old_key_names_the_fix(tmp_path, process_tree
     with pytest.raises(CheckpointError, match="'k1'.*encryption_key_file"):
         await backend.restore(info)
     assert Manifest.load(backend.folder(info.id)).status == "verified"  # still restorable
+
+
+def test_a_pipe_size_out_of_range_names_the_setting():
+    for bad in (4096, 1 << 30):
+        with pytest.raises(Exception, match=r"restore_pipe_bytes = \d+: use 65536 to 268435456"):
+            LocalBackend(restore_pipe_bytes=bad)
 
 
 def test_encryption_needs_chunks_and_a_private_key_file(tmp_path, key_file):

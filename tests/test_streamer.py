@@ -7,11 +7,15 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
-from jupyterhub_gpusnap.checkpoint.streamer import _LEN, PipeWriter, parse_request, reply
+from jupyterhub_gpusnap.checkpoint.streamer import _LEN, PipeWriter, grow_pipe, parse_request, reply
 
 
 def test_request_and_reply_framing():
@@ -82,6 +86,28 @@ def test_a_reader_that_went_away_ends_the_writer():
     assert not pipe.held
 
 
+def test_a_pipe_gets_the_size_asked_for_or_the_most_allowed():
+    r, w = os.pipe()
+    try:
+        assert grow_pipe(w, 256 << 10) == 256 << 10  # below pipe-max-size: anybody gets it
+        assert PipeWriter(w, size=128 << 10).size == 128 << 10
+    finally:
+        os.close(r)
+        os.close(w)
+    # Without CAP_SYS_RESOURCE (as in most containers, even for root) a size above
+    # /proc/sys/fs/pipe-max-size is refused: the pipe gets that maximum instead.
+    most = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+    code = (
+        "import os; from jupyterhub_gpusnap.checkpoint.streamer import grow_pipe; "
+        f"r, w = os.pipe(); print(grow_pipe(w, {most * 4}))"
+    )
+    out = subprocess.run(
+        ["setpriv", "--inh-caps=-sys_resource", "--bounding-set=-sys_resource", sys.executable, "-c", code],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert int(out) == most
+
+
 def test_a_streamer_socket_speaks_criu_framing(tmp_path):
     """A client doing what CRIU does gets the file's bytes (plain store, two chunks)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -98,7 +124,9 @@ def test_a_streamer_socket_speaks_criu_framing(tmp_path):
         assert len(chunks["pages-1.img"]) > 1
         folder = tmp_path / "s"
         folder.mkdir()
-        streamer = ChunkStreamer(store, "plain", chunks, folder, window=2, prefetch=4).start()
+        streamer = ChunkStreamer(
+            store, "plain", chunks, folder, window=2, prefetch=4, pipe_bytes=64 << 10
+        ).start()
         c = socket.socket(socket.AF_UNIX)
         c.connect(str(folder / SOCKET_NAME))
 
@@ -114,6 +142,7 @@ def test_a_streamer_socket_speaks_criu_framing(tmp_path):
         r, w = os.pipe()
         socket.send_fds(c, [b"\0"], [w])
         os.close(w)
+        time.sleep(0.5)  # a slow reader: the 64 KiB pipe fills and the sender waits for it
         data = b""
         while part := os.read(r, 1 << 20):
             data += part
@@ -121,3 +150,6 @@ def test_a_streamer_socket_speaks_criu_framing(tmp_path):
         c.close()
         assert streamer.finish() == []
         assert data == src.read_bytes() and streamer.served == {"pages-1.img": 1 << 20}
+        assert streamer.pipe_got == 64 << 10
+        assert streamer.waited["criu_s"] > 0.25  # the wait is put on the reader, not the store
+        assert streamer.waited["storage_s"] < streamer.waited["criu_s"]

@@ -68,8 +68,8 @@ from .manifest import (
     seal_image,
     verify_image,
 )
+from .streamer import PIPE_BYTES, ChunkStreamer
 from .streamer import SOCKET_NAME as STREAMER_SOCKET
-from .streamer import ChunkStreamer
 
 DEFAULT_NAME = "_default"
 STAGING_PREFIX = "gpusnap-restore-"
@@ -281,6 +281,26 @@ class LocalBackend(CheckpointBackend):
         image streaming.""",
     ).tag(config=True)
 
+    restore_pipe_bytes = Integer(
+        PIPE_BYTES,
+        help="""Size of the pipe each image file goes through to CRIU in a streamed restore
+        (restore_streaming). A deep pipe lets the streamer run ahead of CRIU instead of the
+        two taking turns every megabyte (docs/performance.md has the figures). Sizes above
+        /proc/sys/fs/pipe-max-size (1 MiB by default) need CAP_SYS_RESOURCE, which container
+        runtimes drop: raise the limit on the node (sysctl -w fs.pipe-max-size=16777216)
+        or the largest allowed size is used (logged once, with that fix). 64 KiB to 256 MiB.""",
+    ).tag(config=True)
+
+    @validate("restore_pipe_bytes")
+    def _check_restore_pipe_bytes(self, proposal):
+        value = proposal["value"]
+        if not 64 << 10 <= value <= 256 << 20:
+            raise TraitError(
+                f"LocalBackend.restore_pipe_bytes = {value}: use 65536 to 268435456 bytes "
+                "(e.g. 16777216 for 16 MiB)"
+            )
+        return value
+
     restore_staging_dir = Unicode(
         "/dev/shm",
         help="""Where a restore of an image kept as chunks (storage = 'chunks') works, in a new
@@ -317,6 +337,7 @@ class LocalBackend(CheckpointBackend):
         self._active: set[str] = set()  # servers whose checkpoint() runs in this process
         self._cuda_obj = None
         self._cuda_missing = False
+        self._pipe_noted = False
         self.restored: dict[int, criu.Restored] = {}
 
     # ---------------------------------------------------------------- helpers
@@ -1045,7 +1066,10 @@ class LocalBackend(CheckpointBackend):
                 raise CheckpointError(f"{key}: cannot restore {info.id}: {e}") from e
             images = self._stream_dir()
             threads = self.hash_threads or os.cpu_count() or 1
-            streamer = ChunkStreamer(store, m.key_id, m.chunks, images, window=4 * threads, prefetch=16 * threads)
+            streamer = ChunkStreamer(
+                store, m.key_id, m.chunks, images, window=4 * threads, prefetch=16 * threads,
+                pipe_bytes=self.restore_pipe_bytes,
+            )  # fmt: skip
             try:
                 streamer.start()
             except OSError as e:
@@ -1062,7 +1086,7 @@ class LocalBackend(CheckpointBackend):
             try:
                 return await self._restore_tree(
                     info, folder, images, m, key, check_pages, damaged, restore_started, timeout,
-                    stream=True,
+                    streamer=streamer,
                 )
             finally:
                 await check_pages()  # the senders have stopped before the folder goes
@@ -1177,6 +1201,19 @@ class LocalBackend(CheckpointBackend):
             "writable path (e.g. /dev/shm) or LocalBackend.restore_streaming = False"
         )
 
+    def _note_small_pipe(self, streamer: ChunkStreamer) -> None:
+        """Once per process: streamed restores get a smaller pipe than asked for."""
+        if 0 < streamer.pipe_got < streamer.pipe_bytes and not self._pipe_noted:
+            self._pipe_noted = True
+            self.log.info(
+                "Streamed restores get a %d KiB pipe, not the %d KiB of "
+                "LocalBackend.restore_pipe_bytes: this process may not exceed "
+                "/proc/sys/fs/pipe-max-size. Raise it on this machine (sysctl -w "
+                "fs.pipe-max-size=%d) for faster streamed restores, or set restore_pipe_bytes to %d.",
+                streamer.pipe_got >> 10, streamer.pipe_bytes >> 10, streamer.pipe_bytes,
+                streamer.pipe_got,
+            )  # fmt: skip
+
     def _unstage(self, folder: Path, images: Path) -> None:
         """Remove unpacked image files; keep CRIU's restore log in the checkpoint folder."""
         if images == folder:
@@ -1189,9 +1226,9 @@ class LocalBackend(CheckpointBackend):
 
     async def _restore_tree(
         self, info, folder, images, m, key, check_pages, damaged, restore_started, timeout,
-        stream: bool = False,
+        streamer: ChunkStreamer | None = None,
     ) -> tuple[int, str, int]:
-        """criu restore (from ``images``; through its streamer socket with ``stream``) + GPU
+        """criu restore (from ``images``; through ``streamer``'s socket when given) + GPU
         restore of a checked image (the second half of :meth:`restore`)."""
         phases = {"prepare_s": round(time.time() - restore_started, 3)}
         t = time.monotonic()
@@ -1202,7 +1239,7 @@ class LocalBackend(CheckpointBackend):
                 criu=self.criu_path,
                 tcp=m.tcp_mode,
                 shell_job=m.shell_job,
-                extra=[*self.restore_extra_args, *(["--stream"] if stream else [])],
+                extra=[*self.restore_extra_args, *(["--stream"] if streamer else [])],
                 timeout=timeout,
             )
         except CheckpointError as e:
@@ -1215,6 +1252,12 @@ class LocalBackend(CheckpointBackend):
                 raise damaged(problems) from e
             raise
         phases["criu_s"] = round(time.monotonic() - t, 3)
+        if streamer is not None:
+            # which side a streamed restore waited on: the chunk store or CRIU
+            phases["pipe_bytes"] = streamer.pipe_got
+            phases["stream_waited_storage_s"] = round(streamer.waited["storage_s"], 3)
+            phases["stream_waited_criu_s"] = round(streamer.waited["criu_s"], 3)
+            self._note_small_pipe(streamer)
         self.restored[restored.pid] = restored
         for p, r in list(self.restored.items()):
             if r.reap() is not None:

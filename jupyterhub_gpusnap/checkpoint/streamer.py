@@ -33,13 +33,14 @@ import socket
 import struct
 import termios
 import threading
+import time
 from pathlib import Path
 
 from .chunks import ChunkStore
 
 SOCKET_NAME = "streamer-serve.sock"
-F_SETPIPE_SZ = 1031
-PIPE_BYTES = 4 << 20  # CRIU reads 2 MiB chunks' worth at a time; a bigger pipe keeps both busy
+F_SETPIPE_SZ, F_GETPIPE_SZ = 1031, 1032
+PIPE_BYTES = 16 << 20  # what LocalBackend.restore_pipe_bytes asks for by default
 _LEN = struct.Struct("<I")
 
 
@@ -105,13 +106,18 @@ class ChunkStreamer:
     """
 
     def __init__(self, store: ChunkStore, space: str, chunks: dict[str, list], folder: Path,
-                 window: int = 16, prefetch: int = 64):  # fmt: skip
+                 window: int = 16, prefetch: int = 64, pipe_bytes: int = PIPE_BYTES):  # fmt: skip
         self.store = store
         self.space = space
         self.chunks = chunks
         self.folder = Path(folder)
         self.window = max(1, window)
         self.prefetch = max(self.window, prefetch)
+        self.pipe_bytes = pipe_bytes  # asked for
+        self.pipe_got = 0  # the largest pipe CRIU's files actually came through
+        # seconds the senders waited, summed over files: for the store's next chunk (reading,
+        # checking, decompressing is the bound) and for room in the pipe (CRIU is)
+        self.waited = {"storage_s": 0.0, "criu_s": 0.0}
         self.problems: list[str] = []
         self.served: dict[str, int] = {}  # name -> bytes sent
         self._stop = threading.Event()
@@ -176,7 +182,11 @@ class ChunkStreamer:
     def _send(self, name: str, fd: int) -> None:
         """Write ``name``'s chunks into ``fd`` in order, ``window`` of them read ahead."""
         sent = 0
-        pipe = PipeWriter(fd)
+        storage_s = criu_s = 0.0
+        clock = time.perf_counter
+        pipe = PipeWriter(fd, size=self.pipe_bytes)
+        with self._lock:
+            self.pipe_got = max(self.pipe_got, pipe.size)
         try:
             refs = self.chunks[name]
             ahead: collections.deque = collections.deque()
@@ -198,17 +208,23 @@ class ChunkStreamer:
             while ahead:
                 cid, fut = ahead.popleft()
                 refill()
+                t0 = clock()
                 try:
                     data = fut.result()
                 except (OSError, ValueError) as e:
                     self._problem(f"{name}: {e}")
                     return
-                if not pipe.write(data) or self._stop.is_set():
+                t1 = clock()
+                ok = pipe.write(data)
+                storage_s, criu_s = storage_s + t1 - t0, criu_s + clock() - t1
+                if not ok or self._stop.is_set():
                     return
                 sent += len(data)
         finally:
             with self._lock:
                 self.served[name] = sent
+                self.waited["storage_s"] += storage_s
+                self.waited["criu_s"] += criu_s
             pipe.close()
 
     def finish(self, timeout: float = 30.0) -> list[str]:
@@ -273,12 +289,12 @@ class PipeWriter:
     vmsplice (or ``splice = False``) it is a plain ``write``.
     """
 
-    def __init__(self, fd: int, splice: bool = True):
+    def __init__(self, fd: int, splice: bool = True, size: int = PIPE_BYTES):
         self.fd = fd
         self.splice = splice and _VMSPLICE is not None
         self.handed = 0
         self.held: collections.deque = collections.deque()  # (end offset, buffer)
-        _grow_pipe(fd)
+        self.size = grow_pipe(fd, size)
 
     def write(self, data) -> bool:
         """Hand over all of ``data``; False when the reader has closed its end."""
@@ -333,19 +349,28 @@ class PipeWriter:
             self.held.clear()
 
 
-def _grow_pipe(fd: int) -> None:
-    """A bigger pipe means fewer wake-ups of CRIU and of the sender: PIPE_BYTES, or the
-    most an unprivileged process may ask for (/proc/sys/fs/pipe-max-size)."""
+def grow_pipe(fd: int, size: int) -> int:
+    """Make the pipe hold ``size`` bytes, or as much of it as this process may ask for;
+    the size it now has.
+
+    CRIU waits whenever the pipe runs empty and the sender whenever it is full; the default
+    pipe (64 KiB, or 1 MiB where pipe-max-size allows) makes them take turns every few
+    hundred microseconds. Above ``/proc/sys/fs/pipe-max-size`` the kernel wants
+    CAP_SYS_RESOURCE, which container runtimes often drop even for root: the sysctl
+    ``fs.pipe-max-size`` then decides (see docs/performance.md).
+    """
     try:
-        fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_BYTES)
-        return
+        fcntl.fcntl(fd, F_SETPIPE_SZ, size)
     except OSError:
-        pass
+        try:
+            most = int(Path("/proc/sys/fs/pipe-max-size").read_text())
+            fcntl.fcntl(fd, F_SETPIPE_SZ, min(most, size))
+        except (OSError, ValueError):
+            pass  # the default size works, with more wake-ups
     try:
-        most = int(Path("/proc/sys/fs/pipe-max-size").read_text())
-        fcntl.fcntl(fd, F_SETPIPE_SZ, min(most, PIPE_BYTES))
-    except (OSError, ValueError):
-        pass  # the default size works, with more wake-ups
+        return fcntl.fcntl(fd, F_GETPIPE_SZ)
+    except OSError:
+        return 0
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
