@@ -20,9 +20,13 @@ part of it CRIU ran (streamed: reading the chunks happens meanwhile). Ratios are
 ``files`` row of the same data in the same run. ``intact``: the data's sha256 after the
 restore equals the one before.
 
-Usage: ``python bench/storage.py [--gib 4] [--kinds weights random] [--dir DIR] [--warm]``
-→ bench/results/storage.json (``--warm``: the image left in the page cache before each
-restore, which separates reading the disk from the rest → storage_warm.json). Needs root and CRIU >= 4.2.
+``pipe_kib``: the pipe a streamed restore fed CRIU through (``LocalBackend.restore_pipe_bytes``,
+capped by ``/proc/sys/fs/pipe-max-size`` without CAP_SYS_RESOURCE; the JSON has that limit).
+
+Usage: ``python bench/storage.py [--gib 4] [--kinds weights random] [--dir DIR] [--warm]
+[--name NAME]`` → bench/results/storage.json (``--warm``: the image left in the page cache
+before each restore, which separates reading the disk from the rest → storage_warm.json;
+``--name``: another file name). Needs root and CRIU >= 4.2.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from jupyterhub_gpusnap.model import Server
 HERE = Path(__file__).parent
 COLUMNS = [
     "kind", "gib", "mode", "image_bytes", "written_bytes", "written_ratio", "suspend_s",
-    "suspend_ratio", "restore_s", "restore_ratio", "restore_criu_s", "intact",
+    "suspend_ratio", "restore_s", "restore_ratio", "restore_criu_s", "pipe_kib", "intact",
 ]
 
 
@@ -113,6 +117,8 @@ async def cycle(backend: LocalBackend, h: Holder, name: str) -> dict:
         "suspend_s": round(suspend_s, 3),
         "restore_s": round(restore_s, 3),
         "restore_criu_s": (m.extra.get("restore_phases") or {}).get("criu_s"),
+        # streamed restores: the pipe CRIU read the image through (restore_pipe_bytes)
+        "pipe_kib": ((m.extra.get("restore_phases") or {}).get("pipe_bytes") or 0) >> 10 or None,
         "intact": h.checksum() == before,
     }
 
@@ -127,7 +133,14 @@ def kill(pid: int) -> None:
 WARM = False  # --warm: leave the image in the page cache (separates reading the disk from the rest)
 
 
-async def main(gib: float, kinds: list[str], root: Path, level: int) -> None:
+def pipe_max_size() -> int | None:
+    try:
+        return int(Path("/proc/sys/fs/pipe-max-size").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+async def main(gib: float, kinds: list[str], root: Path, level: int, name: str) -> None:
     criu = find_criu()
     if not criu:
         sys.exit("criu not found: install it with .ci/install-criu.sh")
@@ -174,8 +187,9 @@ async def main(gib: float, kinds: list[str], root: Path, level: int) -> None:
     print()
     table = print_table(rows, COLUMNS)
     write_json(
-        "storage_warm" if WARM else "storage", rows, data=how, compression_level=level, table=table,
-        average_chunk_bytes=chunks.average_chunk_bytes, cold_cache=not WARM,
+        name or ("storage_warm" if WARM else "storage"), rows, data=how, compression_level=level,
+        table=table, average_chunk_bytes=chunks.average_chunk_bytes, cold_cache=not WARM,
+        pipe_max_size=pipe_max_size(), restore_pipe_bytes=chunks.restore_pipe_bytes,
     )
     shutil.rmtree(root, ignore_errors=True)
 
@@ -187,6 +201,7 @@ if __name__ == "__main__":
     p.add_argument("--level", type=int, default=1, help="LocalBackend.compression_level")
     p.add_argument("--dir", default="/var/tmp/gpusnap-storage-bench")
     p.add_argument("--warm", action="store_true", help="restore with the image in the page cache (storage_warm.json)")
+    p.add_argument("--name", default="", help="results file name (default storage, or storage_warm with --warm)")
     a = p.parse_args()
     WARM = a.warm
-    asyncio.run(main(a.gib, a.kinds, Path(a.dir), a.level))
+    asyncio.run(main(a.gib, a.kinds, Path(a.dir), a.level, a.name))
