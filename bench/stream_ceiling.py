@@ -29,11 +29,9 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,37 +44,18 @@ from jupyterhub_gpusnap.checkpoint.chunks import ChunkStore
 from jupyterhub_gpusnap.checkpoint.criu import find_criu
 
 
-class SpliceFeeder:
-    """The image streamer protocol, answered from raw image files by splice(2)."""
+class SpliceFeeder(S.ChunkStreamer):
+    """ChunkStreamer's side of the protocol, answered from raw image files by splice(2):
+    page references into the pipe, no copy, no checks."""
 
     def __init__(self, images: Path, folder: Path):
+        super().__init__(None, "", {p.name: [] for p in images.iterdir() if p.is_file()}, folder)
         self.images = images
-        self.path = folder / S.SOCKET_NAME
-        self.path.unlink(missing_ok=True)
-        self.listener = socket.socket(socket.AF_UNIX)
-        self.listener.bind(str(self.path))
-        self.listener.listen(1)
-        self.threads: list[threading.Thread] = []
-        self.pipe_got = 0
-        t = threading.Thread(target=self._serve, daemon=True)
-        t.start()
-        self.threads.append(t)
-
-    def _serve(self) -> None:
-        conn, _ = self.listener.accept()
-        with conn:
-            while head := S._recv_exact(conn, S._LEN.size):
-                name = S.parse_request(S._recv_exact(conn, S._LEN.unpack(head)[0]))
-                exists = (self.images / name).is_file()
-                conn.sendall(S.reply(exists))
-                if exists:
-                    _, fds, _, _ = socket.recv_fds(conn, 1, 1)
-                    t = threading.Thread(target=self._send, args=(name, fds[0]), daemon=True)
-                    t.start()
-                    self.threads.append(t)
 
     def _send(self, name: str, fd: int) -> None:
-        self.pipe_got = max(self.pipe_got, S.grow_pipe(fd, S.PIPE_BYTES))
+        got = S.grow_pipe(fd, self.pipe_bytes)
+        with self._lock:
+            self.pipe_got = max(self.pipe_got, got)
         src = os.open(self.images / name, os.O_RDONLY)
         try:
             while os.splice(src, fd, 1 << 30):
@@ -86,13 +65,6 @@ class SpliceFeeder:
         finally:
             os.close(src)
             os.close(fd)
-
-    def finish(self) -> list[str]:
-        for t in self.threads:
-            t.join(30)
-        self.listener.close()
-        self.path.unlink(missing_ok=True)
-        return []
 
 
 def wait_gone(pid: int) -> None:
@@ -137,7 +109,7 @@ def main(gib: float, kind: str, repeat: int, root: Path) -> None:
             else:
                 args += ["-D", str(stream_dir), "--stream"]
                 if mode == "stream, files":
-                    feeder = SpliceFeeder(images, stream_dir)
+                    feeder = SpliceFeeder(images, stream_dir).start()
                 else:
                     feeder = S.ChunkStreamer(store, "plain", chunks, stream_dir, window=4 * threads,
                                              prefetch=16 * threads).start()  # fmt: skip
@@ -156,7 +128,7 @@ def main(gib: float, kind: str, repeat: int, root: Path) -> None:
                 intact = h.checksum() == before
             os.kill(pid, signal.SIGKILL)
             wait_gone(pid)
-            waited = getattr(feeder, "waited", None) or {}
+            waited = feeder.waited if mode == "stream, chunks" else None
             row = {
                 "mode": mode, "seconds": round(seconds, 3), "GBps": round(image_bytes / seconds / 1e9, 2),
                 "pipe_kib": (getattr(feeder, "pipe_got", 0) >> 10) or None,
