@@ -318,16 +318,7 @@ class ChunkStore:
         at once) so that the :meth:`get` that follows finds it in memory: many reads in
         flight instead of one small read-ahead per chunk. A missing chunk is left for
         :meth:`get` to report."""
-        try:
-            fd = os.open(self.path(space, cid), os.O_RDONLY)
-        except OSError:
-            return
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        _advise(self.path(space, cid), os.POSIX_FADV_WILLNEED)
 
     def _get_into(self, fd: int, space: str, cid: str, length: int, offset: int) -> None:
         _pwrite_all(fd, self.get(space, cid, length), offset)
@@ -386,14 +377,7 @@ class ChunkStore:
     def drop_cached(self, space: str, chunks: dict[str, list]) -> None:
         """Drop the chunks of ``chunks`` from the page cache (the next read is the disk's)."""
         for cid in {c for refs in chunks.values() for c, _ in refs}:
-            try:
-                fd = os.open(self.path(space, cid), os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            _advise(self.path(space, cid), os.POSIX_FADV_DONTNEED)
 
     # ------------------------------------------------------------ garbage
     def sweep(self, referenced: Callable[[], set[tuple[str, str]] | None]) -> tuple[int, int]:
@@ -558,6 +542,20 @@ class Follower:
             packer.futures = []
         self._lock.__exit__(None, None, None)
         self._lock = None
+
+
+def _advise(path: Path, advice: int) -> None:
+    """``posix_fadvise`` a whole file; a file that is missing or cannot be read is left alone."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, advice)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, view: memoryview) -> None:
