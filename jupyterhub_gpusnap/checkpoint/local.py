@@ -1252,12 +1252,6 @@ class LocalBackend(CheckpointBackend):
                 raise damaged(problems) from e
             raise
         phases["criu_s"] = round(time.monotonic() - t, 3)
-        if streamer is not None:
-            # which side a streamed restore waited on: the chunk store or CRIU
-            phases["pipe_bytes"] = streamer.pipe_got
-            phases["stream_waited_storage_s"] = round(streamer.waited["storage_s"], 3)
-            phases["stream_waited_criu_s"] = round(streamer.waited["criu_s"], 3)
-            self._note_small_pipe(streamer)
         self.restored[restored.pid] = restored
         for p, r in list(self.restored.items()):
             if r.reap() is not None:
@@ -1283,6 +1277,12 @@ class LocalBackend(CheckpointBackend):
             await end(e)
         if problems:
             await end(damaged(problems))
+        if streamer is not None:  # its senders have ended (check_pages waited for them)
+            # which side a streamed restore waited on: the chunk store or CRIU
+            phases["pipe_bytes"] = streamer.pipe_got
+            phases["stream_waited_storage_s"] = round(streamer.waited["storage_s"], 3)
+            phases["stream_waited_criu_s"] = round(streamer.waited["criu_s"], 3)
+            self._note_small_pipe(streamer)
         phases["checks_after_criu_s"] = round(time.monotonic() - t - phases["criu_s"], 3)
         if gpu is not None:
             try:
