@@ -98,6 +98,35 @@ def test_a_damaged_or_missing_chunk_is_named(tmp_path, pool):
     assert "missing" in problem
 
 
+def test_raw_chunks_open_for_splicing_only_once_checked(tmp_path, pool):
+    """open_raw: incompressible plain chunks come back as (fd, offset) after their check;
+    compressed ones are left to get(); damage of any kind is named like get() names it."""
+    store = ChunkStore(tmp_path / ".chunks", pool, avg_pages=64)
+    rnd, comp = tmp_path / "pages-1.img", tmp_path / "pages-2.img"
+    rnd.write_bytes(pages(300, 6))
+    comp.write_bytes(weights(300 * PAGE, 7))
+    packed = store.pack([rnd, comp])
+    cid, length = packed["pages-1.img"].chunks[0]
+    fd, offset = store.open_raw("plain", cid, length)
+    try:
+        assert os.pread(fd, length, offset) == rnd.read_bytes()[:length]
+    finally:
+        os.close(fd)
+    assert store.open_raw("plain", *packed["pages-2.img"].chunks[0]) is None  # zstd: get()
+    blob = store.path("plain", cid)
+    good = blob.read_bytes()
+    for bad in (good[:-1], good + b"\0", good[:100] + bytes([good[100] ^ 1]) + good[101:]):
+        blob.write_bytes(bad)
+        with pytest.raises(ValueError, match="checksum"):
+            store.open_raw("plain", cid, length)
+    blob.write_bytes(b"junk")
+    with pytest.raises(ValueError, match="damaged header"):
+        store.open_raw("plain", cid, length)
+    blob.unlink()
+    with pytest.raises(ValueError, match="missing"):
+        store.open_raw("plain", cid, length)
+
+
 def test_encrypted_chunks_hide_the_data_and_need_the_key(tmp_path, pool):
     old, new = Key("2026-05", os.urandom(32)), Key("2026-11", os.urandom(32))
     secret = b"password=hunter2;" * 20000
@@ -116,6 +145,7 @@ def test_encrypted_chunks_hide_the_data_and_need_the_key(tmp_path, pool):
     chunks = {"pages-1.img": sealed_old.chunks}
     assert rotated.unpack("2026-05", chunks, {"pages-1.img": sealed_old.size}, out) == []
     assert (out / "pages-1.img").read_bytes() == secret
+    assert rotated.open_raw("2026-05", *sealed_old.chunks[0]) is None  # sealed: never spliced
     sealed_new = pack_one(rotated, path)
     assert sealed_new.new_bytes > 0  # ids are keyed: no sharing across keys
     # Without the old key: a clear error naming the key and the fix.

@@ -108,48 +108,98 @@ def test_a_pipe_gets_the_size_asked_for_or_the_most_allowed():
     assert int(out) == most
 
 
-def test_a_streamer_socket_speaks_criu_framing(tmp_path):
-    """A client doing what CRIU does gets the file's bytes (plain store, two chunks)."""
-    from concurrent.futures import ThreadPoolExecutor
+def criu_like_client(folder):
+    """Connect to a streamer as CRIU does; ``ask(name)`` -> exists?, ``read()`` -> the file."""
+    from jupyterhub_gpusnap.checkpoint.streamer import SOCKET_NAME
 
-    from jupyterhub_gpusnap.checkpoint.chunks import ChunkStore
-    from jupyterhub_gpusnap.checkpoint.streamer import SOCKET_NAME, ChunkStreamer
+    c = socket.socket(socket.AF_UNIX)
+    c.connect(str(folder / SOCKET_NAME))
 
-    with ThreadPoolExecutor(2) as pool:
-        store = ChunkStore(tmp_path / "store", pool, avg_pages=16)
-        src = tmp_path / "pages-1.img"
-        src.write_bytes(os.urandom(1 << 20))
-        packed = store.pack([src])
-        chunks = {n: p.chunks for n, p in packed.items()}
-        assert len(chunks["pages-1.img"]) > 1
-        folder = tmp_path / "s"
-        folder.mkdir()
-        streamer = ChunkStreamer(
-            store, "plain", chunks, folder, window=2, prefetch=4, pipe_bytes=64 << 10
-        ).start()
-        c = socket.socket(socket.AF_UNIX)
-        c.connect(str(folder / SOCKET_NAME))
+    def ask(name: str) -> bool:
+        req = b"\x0a" + bytes([len(name)]) + name.encode()
+        c.sendall(_LEN.pack(len(req)) + req)
+        head = c.recv(4)
+        body = c.recv(_LEN.unpack(head)[0])
+        return body == b"\x08\x01"
 
-        def ask(name: str) -> bool:
-            req = b"\x0a" + bytes([len(name)]) + name.encode()
-            c.sendall(_LEN.pack(len(req)) + req)
-            head = c.recv(4)
-            body = c.recv(_LEN.unpack(head)[0])
-            return body == b"\x08\x01"
-
-        assert ask("ids-7.img") is False  # absent: CRIU treats it as empty
-        assert ask("pages-1.img") is True
+    def read(delay: float = 0.0) -> bytes:
         r, w = os.pipe()
         socket.send_fds(c, [b"\0"], [w])
         os.close(w)
-        time.sleep(0.5)  # a slow reader: the 64 KiB pipe fills and the sender waits for it
+        time.sleep(delay)
         data = b""
         while part := os.read(r, 1 << 20):
             data += part
         os.close(r)
-        c.close()
-        assert streamer.finish() == []
-        assert data == src.read_bytes() and streamer.served == {"pages-1.img": 1 << 20}
-        assert streamer.pipe_got == 64 << 10
-        assert streamer.waited["criu_s"] > 0.25  # the wait is put on the reader, not the store
-        assert streamer.waited["storage_s"] < streamer.waited["criu_s"]
+        return data
+
+    return c, ask, read
+
+
+@pytest.fixture
+def packed_store(tmp_path):
+    """A plain store holding ``pages-1.img`` (1 MiB of random bytes: raw chunks, 64 KiB)
+    and ``pages-2.img`` (compressible: zstd chunks); yields (store, chunks, sources)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from jupyterhub_gpusnap.checkpoint.chunks import ChunkStore
+
+    with ThreadPoolExecutor(2) as pool:
+        store = ChunkStore(tmp_path / "store", pool, avg_pages=16)
+        srcs = {"pages-1.img": os.urandom(1 << 20), "pages-2.img": bytes(range(256)) * 4096}
+        for name, data in srcs.items():
+            (tmp_path / name).write_bytes(data)
+        packed = store.pack([tmp_path / n for n in srcs])
+        yield store, {n: p.chunks for n, p in packed.items()}, srcs
+
+
+def test_a_streamer_socket_speaks_criu_framing(tmp_path, packed_store):
+    """A client doing what CRIU does gets each file's bytes: raw chunks spliced from the
+    store's files, compressed ones decompressed and lent to the pipe."""
+    from jupyterhub_gpusnap.checkpoint.streamer import ChunkStreamer
+
+    store, chunks, srcs = packed_store
+    assert len(chunks["pages-1.img"]) > 1
+    assert store.open_raw("plain", *chunks["pages-1.img"][0]) is not None  # really raw
+    assert store.open_raw("plain", *chunks["pages-2.img"][0]) is None  # really compressed
+    folder = tmp_path / "s"
+    folder.mkdir()
+    streamer = ChunkStreamer(
+        store, "plain", chunks, folder, window=2, prefetch=4, pipe_bytes=64 << 10
+    ).start()
+    c, ask, read = criu_like_client(folder)
+    assert ask("ids-7.img") is False  # absent: CRIU treats it as empty
+    assert ask("pages-1.img") is True
+    # a slow reader: the 64 KiB pipe fills and the sender waits for it
+    assert read(delay=0.5) == srcs["pages-1.img"]
+    assert ask("pages-2.img") is True
+    assert read() == srcs["pages-2.img"]
+    c.close()
+    assert streamer.finish() == []
+    assert streamer.served == {n: len(d) for n, d in srcs.items()}
+    assert streamer.pipe_got == 64 << 10
+    assert streamer.waited["criu_s"] > 0.25  # the wait is put on the reader, not the store
+    assert streamer.waited["storage_s"] < streamer.waited["criu_s"]
+
+
+def test_a_damaged_raw_chunk_ends_its_file_before_its_bytes(tmp_path, packed_store):
+    from jupyterhub_gpusnap.checkpoint.streamer import ChunkStreamer
+
+    store, chunks, srcs = packed_store
+    refs = chunks["pages-1.img"]
+    cid, _ = refs[2]
+    blob = store.path("plain", cid)
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 0x40
+    blob.write_bytes(bytes(data))
+    folder = tmp_path / "s"
+    folder.mkdir()
+    streamer = ChunkStreamer(store, "plain", chunks, folder, window=2, prefetch=4).start()
+    c, ask, read = criu_like_client(folder)
+    assert ask("pages-1.img") is True
+    got = read()
+    c.close()
+    (problem,) = streamer.finish()
+    assert cid[:12] in problem and "checksum" in problem
+    before = sum(n for _, n in refs[:2])
+    assert got == srcs["pages-1.img"][:before]  # every byte up to the damaged chunk, none of it

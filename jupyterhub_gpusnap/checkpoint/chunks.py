@@ -22,7 +22,8 @@ same chunks wherever it sits in the file. The scan reads two words per page: abo
 **Blob format.** ``b"GSN1"`` + codec (0 raw, 1 zstd) + key id length + key id, then the
 payload, sealed with AES-256-GCM (random 96-bit nonce, the header and chunk id as
 associated data) when a key is in use. Data that zstd cannot shrink by 3 % is stored
-raw, so random data costs no decompression at restore.
+raw, so random data costs no decompression at restore (a streamed restore splices it to
+CRIU from the page cache once checked: :meth:`ChunkStore.open_raw`).
 
 **Integrity.** A chunk's id is the sha256 of its plaintext (salted with a value derived
 from the key when encrypted, see :mod:`.keys`); unpacking checks every chunk against its
@@ -292,9 +293,7 @@ class ChunkStore:
             blob = path.read_bytes()
         except FileNotFoundError:
             raise ValueError(f"chunk {cid[:12]}… is missing from {self.root / space}") from None
-        if blob[:4] != MAGIC or len(blob) < 6:
-            raise ValueError(f"chunk {cid[:12]}… is not a gpusnap chunk (damaged header)")
-        codec, klen = blob[4], blob[5]
+        codec, klen = _header(blob, cid)
         header = blob[: 6 + klen]
         kid = header[6:].decode(errors="replace")
         body = memoryview(blob)[6 + klen :]
@@ -312,6 +311,41 @@ class ChunkStore:
         if len(body) != length or self._chunk_id(body, key) != cid:
             raise ValueError(f"chunk {cid[:12]}… does not match its checksum (damaged)")
         return body
+
+    def open_raw(self, space: str, cid: str, length: int) -> tuple[int, int] | None:
+        """For a chunk stored as it is (codec raw, not encrypted): an open descriptor of its
+        file and where its bytes start, once they are checked against the id — so they can
+        be spliced from the page cache instead of copied; None for any other chunk (use
+        :meth:`get`). Raises ValueError as :meth:`get` does. The caller closes the fd.
+
+        The check reads the file's cached pages through a per-thread buffer; a splice of
+        the same range right after hands over those very pages (chunk files never change:
+        written once, renamed into place, removed only when no checkpoint lists them).
+        """
+        if space != PLAIN:
+            return None
+        try:
+            fd = os.open(self.path(space, cid), os.O_RDONLY)
+        except FileNotFoundError:
+            raise ValueError(f"chunk {cid[:12]}… is missing from {self.root / space}") from None
+        try:
+            buf = getattr(self._local, "buf", None)
+            if buf is None or len(buf) < length + 6:
+                buf = self._local.buf = bytearray(max(length + 6, 8 << 20))
+            view = memoryview(buf)[: length + 6]
+            got = os.preadv(fd, [view], 0)
+            codec, klen = _header(view[:got], cid)
+            if codec != RAW or klen:
+                os.close(fd)
+                return None
+            if (got != length + 6 or os.fstat(fd).st_size != got
+                    or hashlib.sha256(view[6:]).hexdigest() != cid):  # fmt: skip
+                raise ValueError(f"chunk {cid[:12]}… does not match its checksum (damaged)")
+            return fd, 6
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
 
     def prefetch(self, space: str, cid: str) -> None:
         """Have the kernel start reading a chunk now (``POSIX_FADV_WILLNEED``, which returns
@@ -542,6 +576,13 @@ class Follower:
             packer.futures = []
         self._lock.__exit__(None, None, None)
         self._lock = None
+
+
+def _header(blob, cid: str) -> tuple[int, int]:
+    """A chunk file's codec and key id length (ValueError when it is not a chunk)."""
+    if len(blob) < 6 or bytes(blob[:4]) != MAGIC:
+        raise ValueError(f"chunk {cid[:12]}… is not a gpusnap chunk (damaged header)")
+    return blob[4], blob[5]
 
 
 def _advise(path: Path, advice: int) -> None:

@@ -5,7 +5,9 @@ CRIU would then read it a second time: the restore costs the sum of the two. Wit
 ``--stream`` CRIU asks an *image streamer* for each image file instead of opening it,
 and reads it from a pipe front to back, so the chunks can be read, checked and
 decompressed (in the store's thread pool, a window ahead) while CRIU already restores
-the memory they hold.
+the memory they hold. Decompressed chunks are lent to the pipe (``vmsplice``); chunks
+stored as they are (incompressible data) are spliced from the page cache once checked
+(:meth:`ChunkStore.open_raw`), so CRIU reads them as it would read a raw image file.
 
 The protocol (CRIU 4.x, ``criu/img-streamer.c``): CRIU connects once to
 ``<images-dir>/streamer-serve.sock``. For each file it sends a request (a
@@ -182,6 +184,7 @@ class ChunkStreamer:
     def _send(self, name: str, fd: int) -> None:
         """Write ``name``'s chunks into ``fd`` in order, ``window`` of them read ahead."""
         sent = 0
+        ahead: collections.deque = collections.deque()
         storage_s = criu_s = 0.0
         clock = time.perf_counter
         pipe = PipeWriter(fd, size=self.pipe_bytes)
@@ -189,9 +192,17 @@ class ChunkStreamer:
             self.pipe_got = max(self.pipe_got, pipe.size)
         try:
             refs = self.chunks[name]
-            ahead: collections.deque = collections.deque()
-            pool, get, prefetch = self.store.pool, self.store.get, self.store.prefetch
+            refs_len = dict(refs)
+            pool, prefetch = self.store.pool, self.store.prefetch
             nxt = 0  # the next chunk to decode
+
+            def load(cid: str, length: int):
+                # a chunk stored as it is goes from the page cache into the pipe (splice);
+                # the others are decompressed (and decrypted) into memory first
+                return self.store.open_raw(self.space, cid, length) or self.store.get(
+                    self.space, cid, length
+                )
+
             for cid, _ in refs[: self.prefetch]:
                 prefetch(self.space, cid)
 
@@ -199,7 +210,7 @@ class ChunkStreamer:
                 nonlocal nxt
                 while len(ahead) < self.window and nxt < len(refs):
                     cid, length = refs[nxt]
-                    ahead.append((cid, pool.submit(get, self.space, cid, length)))
+                    ahead.append((cid, pool.submit(load, cid, length)))
                     if nxt + self.prefetch < len(refs):
                         prefetch(self.space, refs[nxt + self.prefetch][0])
                     nxt += 1
@@ -215,12 +226,20 @@ class ChunkStreamer:
                     self._problem(f"{name}: {e}")
                     return
                 t1 = clock()
-                ok = pipe.write(data)
+                if isinstance(data, tuple):  # (fd, offset) of a checked raw chunk file
+                    ok = pipe.splice_from(*data, length=refs_len[cid])
+                else:
+                    ok = pipe.write(data)
                 storage_s, criu_s = storage_s + t1 - t0, criu_s + clock() - t1
+                if ok is None:
+                    self._problem(f"{name}: chunk {cid[:12]}… ended early (damaged)")
+                    return
                 if not ok or self._stop.is_set():
                     return
-                sent += len(data)
+                sent += refs_len[cid]
         finally:
+            for _, fut in ahead:  # chunks loaded for nothing: close the files opened for them
+                fut.add_done_callback(_close_opened)
             with self._lock:
                 self.served[name] = sent
                 self.waited["storage_s"] += storage_s
@@ -241,6 +260,11 @@ class ChunkStreamer:
             t.join(timeout)
         self.path.unlink(missing_ok=True)
         return list(self.problems)
+
+
+def _close_opened(fut) -> None:
+    if not fut.cancelled() and fut.exception() is None and isinstance(fut.result(), tuple):
+        os.close(fut.result()[0])
 
 
 class _Iovec(ctypes.Structure):
@@ -322,6 +346,25 @@ class PipeWriter:
         self.handed += n
         self._release(self._unread())
         return True
+
+    def splice_from(self, src: int, offset: int, length: int) -> bool | None:
+        """Hand over ``length`` bytes of file ``src`` from ``offset`` with ``splice(2)``
+        (references to its cached pages, no copy) and close ``src``; False when the reader
+        has closed its end, None when the file ended early."""
+        try:
+            while length:
+                try:
+                    n = os.splice(src, self.fd, length, offset_src=offset)
+                except BrokenPipeError:
+                    return False
+                if not n:
+                    return None
+                offset += n
+                length -= n
+                self.handed += n
+            return True
+        finally:
+            os.close(src)
 
     def _unread(self) -> int:
         return struct.unpack("i", fcntl.ioctl(self.fd, termios.FIONREAD, b"\0\0\0\0"))[0]
