@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from conftest import TREE_PROGRAM
 
 from jupyterhub_gpusnap.checkpoint import CheckpointError
 from jupyterhub_gpusnap.checkpoint.chunks import STORE
@@ -112,6 +113,44 @@ async def test_encrypted_chunks_round_trip_share_and_sweep(tmp_path, process_tre
     other.chmod(0o600)
     assert keys_main(["--checkpoint-dir", str(backend.root), "--key-file", str(other)]) == 1
     assert "put the key back" in capsys.readouterr().out
+
+
+# The test tree, also holding 8 MiB of random bytes (stored as raw chunks, which a streamed
+# restore splices from the chunk files) and reporting their sha256 on every request.
+RANDOM_TREE = TREE_PROGRAM.replace(
+    'state = {"secret"', 'import hashlib\nballast = os.urandom(8 << 20)\nstate = {"secret"'
+).replace("reply = dict(state,", "reply = dict(state, ballast=hashlib.sha256(ballast).hexdigest(),")
+
+
+async def test_incompressible_memory_is_spliced_checked_and_restored_intact(tmp_path, process_tree):
+    backend = make_backend(tmp_path)
+    tree = process_tree(pidns=True, program=RANDOM_TREE)
+    await tree.wait_ready()
+    before = await tree.ask("inc")
+    info = await backend.checkpoint(server_of(tree))
+    m = Manifest.load(backend.folder(info.id))
+    store = backend.chunk_store()
+    raw = []
+    for refs in m.chunks.values():
+        for cid, length in refs:
+            opened = store.open_raw("plain", cid, length)
+            if opened:
+                os.close(opened[0])
+                raw.append((cid, length))
+    assert sum(n for _, n in raw) >= 7 << 20, "the random bytes are stored as raw chunks"
+    # one raw chunk damaged: the streamed restore names it and leaves nothing running
+    cid = raw[len(raw) // 2][0]
+    blob = backend.root / STORE / "plain" / cid[:2] / cid
+    good = blob.read_bytes()
+    blob.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(CheckpointError, match=f"damaged.*{cid[:12]}"):
+        await backend.restore(info)
+    with pytest.raises(OSError):
+        await tree.ask("get", timeout=3)
+    blob.write_bytes(good)
+    tree.pid, _, _ = await backend.restore(info)
+    after = await tree.ask("get")
+    assert after["ballast"] == before["ballast"] and after["count"] == before["count"]
 
 
 @pytest.mark.parametrize("staging", ["stream", "memory", "folder"])
