@@ -153,6 +153,23 @@ class ProcessTree:
 
 
 @pytest.fixture
+def sleepers():
+    """Factory: ``pids = sleepers(n)`` — real processes standing in for servers' kernels
+    (fake drivers check they live); all killed at teardown."""
+    started: list[subprocess.Popen] = []
+
+    def make(n: int) -> list[int]:
+        new = [subprocess.Popen(["sleep", "300"]) for _ in range(n)]
+        started.extend(new)
+        return [p.pid for p in new]
+
+    yield make
+    for p in started:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture
 def process_tree(tmp_path):
     """Factory: ``tree = process_tree(pidns=False, unix_peer=None, program=TREE_PROGRAM)``;
     all killed at teardown."""

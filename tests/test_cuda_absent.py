@@ -179,13 +179,9 @@ def log():
 
 
 @pytest.fixture
-def procs():
+def procs(sleepers):
     """Real processes standing in for a server's kernels."""
-    started = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
-    yield [p.pid for p in started]
-    for p in started:
-        p.kill()
-        p.wait()
+    return sleepers(2)
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ checkpointed (tests/test_make_room.py SharedGpus). The servers' processes are re
 from __future__ import annotations
 
 import logging
-import subprocess
 import time
 
 import pytest
@@ -60,13 +59,9 @@ def gpu(procs: dict[int, int], other: int = 0, uuid: str = "") -> dict:
 
 
 @pytest.fixture
-def procs():
+def procs(sleepers):
     """Real processes standing in for the servers' kernels (the fake driver checks they live)."""
-    started = [subprocess.Popen(["sleep", "120"]) for _ in range(5)]
-    yield [p.pid for p in started]
-    for p in started:
-        p.kill()
-        p.wait()
+    return sleepers(5)
 
 
 @pytest.fixture

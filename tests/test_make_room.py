@@ -29,12 +29,8 @@ log = logging.getLogger("test")
 
 
 @pytest.fixture
-def three():
-    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
-    yield [p.pid for p in procs]
-    for p in procs:
-        p.kill()
-        p.wait()
+def three(sleepers):
+    return sleepers(3)
 
 
 def watcher_with(tmp_path, pids, states, idle_since):
