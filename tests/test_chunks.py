@@ -127,6 +127,43 @@ def test_raw_chunks_open_for_splicing_only_once_checked(tmp_path, pool):
         store.open_raw("plain", cid, length)
 
 
+def test_every_chunk_opens_as_a_file_to_splice(tmp_path, pool):
+    """open_chunk: a raw chunk is its own file (past the header); a compressed or sealed one
+    is decoded into a memory file; damage is named and leaves no descriptor open."""
+    key = Key("2026-11", os.urandom(32))
+    store = ChunkStore(tmp_path / ".chunks", pool, avg_pages=64)
+    sealed = ChunkStore(tmp_path / ".chunks", pool, avg_pages=64, keys=[key])
+    rnd, comp = tmp_path / "pages-1.img", tmp_path / "pages-2.img"
+    rnd.write_bytes(pages(300, 6))
+    comp.write_bytes(weights(300 * PAGE, 7))
+    packed = store.pack([rnd, comp])
+    comp_sealed = pack_one(sealed, comp)
+    cases = [  # (store, space, chunks, which, source, what the descriptor is)
+        (store, "plain", packed["pages-1.img"].chunks, 0, rnd, "chunk file"),
+        (store, "plain", packed["pages-2.img"].chunks, 1, comp, "memory file"),
+        (sealed, key.id, comp_sealed.chunks, 1, comp, "memory file"),
+    ]
+    for st, space, refs, i, src, kind in cases:
+        cid, length = refs[i]
+        start = sum(n for _, n in refs[:i])
+        fd, offset = st.open_chunk(space, cid, length)
+        try:
+            assert os.pread(fd, length, offset) == src.read_bytes()[start : start + length]
+            assert os.fstat(fd).st_size == offset + length
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            assert ("memfd:gpusnap-chunk" if kind != "chunk file" else cid) in target
+        finally:
+            os.close(fd)
+    cid, length = packed["pages-2.img"].chunks[1]
+    blob = store.path("plain", cid)
+    good = blob.read_bytes()
+    blob.write_bytes(good[:-3] + bytes(3))
+    open_fds = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ValueError, match="decompress|checksum"):
+        store.open_chunk("plain", cid, length)
+    assert len(os.listdir("/proc/self/fd")) == open_fds
+
+
 def test_encrypted_chunks_hide_the_data_and_need_the_key(tmp_path, pool):
     old, new = Key("2026-05", os.urandom(32)), Key("2026-11", os.urandom(32))
     secret = b"password=hunter2;" * 20000

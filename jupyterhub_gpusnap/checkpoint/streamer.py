@@ -5,9 +5,11 @@ CRIU would then read it a second time: the restore costs the sum of the two. Wit
 ``--stream`` CRIU asks an *image streamer* for each image file instead of opening it,
 and reads it from a pipe front to back, so the chunks can be read, checked and
 decompressed (in the store's thread pool, a window ahead) while CRIU already restores
-the memory they hold. Decompressed chunks are lent to the pipe (``vmsplice``); chunks
-stored as they are (incompressible data) are spliced from the page cache once checked
-(:meth:`ChunkStore.open_raw`), so CRIU reads them as it would read a raw image file.
+the memory they hold. Every chunk reaches the pipe as page-cache pages, spliced once it
+is checked (:meth:`ChunkStore.open_chunk`): a chunk stored as it is (incompressible data)
+from its own file, any other from the memory file it was decoded into. CRIU copies such
+pages out of a pipe as fast as from a raw image file; anonymous memory lent to the pipe
+(``vmsplice``, the first design) took it 1.5x as long (docs/performance.md).
 
 The protocol (CRIU 4.x, ``criu/img-streamer.c``): CRIU connects once to
 ``<images-dir>/streamer-serve.sock``. For each file it sends a request (a
@@ -26,14 +28,10 @@ caller must not hand out a tree restored while any were found.
 from __future__ import annotations
 
 import collections
-import ctypes
-import errno
 import fcntl
 import os
-import select
 import socket
 import struct
-import termios
 import threading
 import time
 from pathlib import Path
@@ -197,11 +195,7 @@ class ChunkStreamer:
             nxt = 0  # the next chunk to decode
 
             def load(cid: str, length: int):
-                # a chunk stored as it is goes from the page cache into the pipe (splice);
-                # the others are decompressed (and decrypted) into memory first
-                return self.store.open_raw(self.space, cid, length) or self.store.get(
-                    self.space, cid, length
-                )
+                return self.store.open_chunk(self.space, cid, length)
 
             for cid, _ in refs[: self.prefetch]:
                 prefetch(self.space, cid)
@@ -221,15 +215,12 @@ class ChunkStreamer:
                 refill()
                 t0 = clock()
                 try:
-                    data = fut.result()
+                    data = fut.result()  # (fd, offset) holding the checked chunk
                 except (OSError, ValueError) as e:
                     self._problem(f"{name}: {e}")
                     return
                 t1 = clock()
-                if isinstance(data, tuple):  # (fd, offset) of a checked raw chunk file
-                    ok = pipe.splice_from(*data, length=refs_len[cid])
-                else:
-                    ok = pipe.write(data)
+                ok = pipe.splice_from(*data, length=refs_len[cid])
                 storage_s, criu_s = storage_s + t1 - t0, criu_s + clock() - t1
                 if ok is None:
                     self._problem(f"{name}: chunk {cid[:12]}… ended early (damaged)")
@@ -263,94 +254,25 @@ class ChunkStreamer:
 
 
 def _close_opened(fut) -> None:
-    if not fut.cancelled() and fut.exception() is None and isinstance(fut.result(), tuple):
+    if not fut.cancelled() and fut.exception() is None:
         os.close(fut.result()[0])
 
 
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-class _PyBuffer(ctypes.Structure):
-    _fields_ = [
-        ("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t),
-        ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
-        ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
-        ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p),
-    ]  # fmt: skip
-
-
-def _vmsplice_fn():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).vmsplice
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_size_t, ctypes.c_uint]
-    fn.restype = ctypes.c_ssize_t
-    return fn
-
-
-_VMSPLICE = _vmsplice_fn()
-
-
-def _address(data) -> int:
-    """The address of a bytes-like object's memory (held while the object lives)."""
-    view = _PyBuffer()
-    ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(data), ctypes.byref(view), 0)
-    try:
-        return view.buf
-    finally:
-        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(view))
-
-
 class PipeWriter:
-    """Writes buffers into a pipe; with ``vmsplice(2)`` the pipe takes references to our
-    pages instead of a copy, so CRIU's read is the only copy of the data.
-
-    The pipe then holds our memory itself: each buffer is kept alive until the pipe no
-    longer holds any of it (bytes handed over minus the pipe's unread bytes, FIONREAD),
-    and :meth:`close` waits until the reader has taken everything or is gone. Without
-    vmsplice (or ``splice = False``) it is a plain ``write``.
+    """Splices file ranges into a pipe (``splice(2)``): the pipe takes references to the
+    file's pages instead of a copy — a chunk file's cached pages, or the memory file a
+    chunk was decoded into (:meth:`ChunkStore.open_chunk`) — so CRIU's read is the only
+    copy of the data, and the pages live on in the pipe after the file is closed.
     """
 
-    def __init__(self, fd: int, splice: bool = True, size: int = PIPE_BYTES):
+    def __init__(self, fd: int, size: int = PIPE_BYTES):
         self.fd = fd
-        self.splice = splice and _VMSPLICE is not None
         self.handed = 0
-        self.held: collections.deque = collections.deque()  # (end offset, buffer)
         self.size = grow_pipe(fd, size)
 
-    def write(self, data) -> bool:
-        """Hand over all of ``data``; False when the reader has closed its end."""
-        view = memoryview(data).cast("B")
-        if not self.splice:
-            while view:
-                try:
-                    view = view[os.write(self.fd, view) :]
-                except BrokenPipeError:
-                    return False
-            return True
-        addr, n, off = _address(view), len(view), 0
-        self.held.append((self.handed + n, data))
-        while off < n:
-            iov = _Iovec(addr + off, n - off)
-            done = _VMSPLICE(self.fd, ctypes.byref(iov), 1, 0)
-            if done < 0:
-                err = ctypes.get_errno()
-                if err == errno.EINTR:
-                    continue
-                if err == errno.EPIPE:
-                    return False
-                raise OSError(err, os.strerror(err))
-            off += done
-        self.handed += n
-        self._release(self._unread())
-        return True
-
     def splice_from(self, src: int, offset: int, length: int) -> bool | None:
-        """Hand over ``length`` bytes of file ``src`` from ``offset`` with ``splice(2)``
-        (references to its cached pages, no copy) and close ``src``; False when the reader
-        has closed its end, None when the file ended early."""
+        """Hand over ``length`` bytes of file ``src`` from ``offset`` and close ``src``;
+        False when the reader has closed its end, None when the file ended early."""
         try:
             while length:
                 try:
@@ -366,30 +288,9 @@ class PipeWriter:
         finally:
             os.close(src)
 
-    def _unread(self) -> int:
-        return struct.unpack("i", fcntl.ioctl(self.fd, termios.FIONREAD, b"\0\0\0\0"))[0]
-
-    def _release(self, unread: int) -> None:
-        consumed = self.handed - unread
-        while self.held and self.held[0][0] <= consumed:
-            self.held.popleft()
-
     def close(self) -> None:
-        """Wait until the reader took what the pipe holds of our memory (or closed its
-        end), then close the write end."""
-        try:
-            poller = select.poll()
-            poller.register(self.fd, select.POLLOUT)
-            while self.held:
-                unread = self._unread()
-                self._release(unread)
-                if not unread:
-                    break
-                if any(ev & select.POLLERR for _, ev in poller.poll(5)):
-                    break  # no reader left: nobody will see the pipe's contents
-        finally:
-            os.close(self.fd)
-            self.held.clear()
+        """Close the write end: the reader gets what the pipe holds, then the end."""
+        os.close(self.fd)
 
 
 def grow_pipe(fd: int, size: int) -> int:
