@@ -20,13 +20,18 @@ part of it CRIU ran (streamed: reading the chunks happens meanwhile). Ratios are
 ``files`` row of the same data in the same run. ``intact``: the data's sha256 after the
 restore equals the one before.
 
-``pipe_kib``: the pipe a streamed restore fed CRIU through (``LocalBackend.restore_pipe_bytes``,
+``waited_storage_s`` / ``waited_criu_s``: what a streamed restore's senders waited for —
+the next chunk (reading, checking, decoding: the store is the bound) or room in the pipe
+(CRIU is). ``pipe_kib``: the pipe a streamed restore fed CRIU through (``LocalBackend.restore_pipe_bytes``,
 capped by ``/proc/sys/fs/pipe-max-size`` without CAP_SYS_RESOURCE; the JSON has that limit).
 
 Usage: ``python bench/storage.py [--gib 4] [--kinds weights random] [--dir DIR] [--warm]
-[--name NAME]`` → bench/results/storage.json (``--warm``: the image left in the page cache
+[--name NAME] [--restores N]`` → bench/results/storage.json (``--warm``: the image left in the page cache
 before each restore, which separates reading the disk from the rest → storage_warm.json;
-``--name``: another file name). Needs root and CRIU >= 4.2.
+``--name``: another file name; ``--restores``: each checkpoint restored N times — the
+restored process killed in between — and ``restore_s`` their median, ``restore_min_s`` /
+``restore_max_s`` the fastest and slowest, ``intact`` true only if every restore was).
+Needs root and CRIU >= 4.2.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import asyncio
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -52,7 +58,8 @@ from jupyterhub_gpusnap.model import Server
 HERE = Path(__file__).parent
 COLUMNS = [
     "kind", "gib", "mode", "image_bytes", "written_bytes", "written_ratio", "suspend_s",
-    "suspend_ratio", "restore_s", "restore_ratio", "restore_criu_s", "pipe_kib", "intact",
+    "suspend_ratio", "restore_s", "restore_min_s", "restore_max_s", "restore_ratio",
+    "restore_criu_s", "waited_storage_s", "waited_criu_s", "pipe_kib", "intact",
 ]
 
 
@@ -74,9 +81,12 @@ class Holder:
         self.how = (self.state / "ready").read_text()
 
     def checksum(self) -> str:
+        """The holder's sha256 of its data, asked for by a signal; it numbers its answers
+        (``checksum.<n>``, its count is in the memory a restore brings back)."""
         self.n += 1
-        os.kill(self.pid, signal.SIGUSR1)
         path = self.state / f"checksum.{self.n}"
+        path.unlink(missing_ok=True)  # a second restore of one checkpoint counts from there again
+        os.kill(self.pid, signal.SIGUSR1)
         while not path.exists():
             time.sleep(0.05)
         return path.read_text()
@@ -93,7 +103,8 @@ def drop_image(backend: LocalBackend, checkpoint_id: str) -> None:
 
 
 async def cycle(backend: LocalBackend, h: Holder, name: str) -> dict:
-    """Checkpoint ``h`` (its current pid), restore it; the row's figures."""
+    """Checkpoint ``h`` (its current pid), restore it ``RESTORES`` times; the row's figures
+    (restore times: the median, with the fastest and slowest)."""
     before = h.checksum()
     t = time.monotonic()
     info = await backend.checkpoint(Server(user="bench", name=name, state={"pid": h.pid}))
@@ -102,25 +113,55 @@ async def cycle(backend: LocalBackend, h: Holder, name: str) -> dict:
         h.proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         pass
-    if not WARM:
-        await asyncio.to_thread(drop_image, backend, info.id)
-    t = time.monotonic()
-    pid, _, _ = await backend.restore(info)
-    restore_s = time.monotonic() - t
-    h.pid = pid
-    m = Manifest.load(backend.folder(info.id))
+    folder = backend.folder(info.id)
+    times, phases, intact = [], [], []
+    asked = h.n  # answers the holder had given when it was checkpointed
+    for i in range(RESTORES):
+        h.n = asked
+        if i:  # again from the same checkpoint: the restored process goes, the image is
+            kill(h.pid)  # marked verified again (a restore marks it restored)
+            wait_gone(h.pid)
+            m = Manifest.load(folder)
+            m.status = "verified"
+            m.save(folder)
+        if not WARM:
+            await asyncio.to_thread(drop_image, backend, info.id)
+        t = time.monotonic()
+        pid, _, _ = await backend.restore(info)
+        times.append(time.monotonic() - t)
+        h.pid = pid
+        m = Manifest.load(folder)
+        phases.append(m.extra.get("restore_phases") or {})
+        intact.append(h.checksum() == before)
     written = m.new_bytes if m.storage == "chunks" else m.image_bytes
     return {
         "image_bytes": m.image_bytes,
         "written_bytes": written,
         "stored_bytes": m.stored_bytes or m.image_bytes,
         "suspend_s": round(suspend_s, 3),
-        "restore_s": round(restore_s, 3),
-        "restore_criu_s": (m.extra.get("restore_phases") or {}).get("criu_s"),
-        # streamed restores: the pipe CRIU read the image through (restore_pipe_bytes)
-        "pipe_kib": ((m.extra.get("restore_phases") or {}).get("pipe_bytes") or 0) >> 10 or None,
-        "intact": h.checksum() == before,
+        "restore_s": round(statistics.median(times), 3),
+        "restore_min_s": round(min(times), 3),
+        "restore_max_s": round(max(times), 3),
+        "restore_criu_s": median_of(phases, "criu_s"),
+        # streamed restores: seconds the streamer waited for the store (reading, checking,
+        # decoding chunks) and for CRIU; the pipe CRIU read the image through
+        "waited_storage_s": median_of(phases, "stream_waited_storage_s"),
+        "waited_criu_s": median_of(phases, "stream_waited_criu_s"),
+        "pipe_kib": (phases[-1].get("pipe_bytes") or 0) >> 10 or None,
+        "intact": all(intact),
     }
+
+
+def median_of(phases: list[dict], key: str) -> float | None:
+    got = [p[key] for p in phases if p.get(key) is not None]
+    return round(statistics.median(got), 3) if got else None
+
+
+def wait_gone(pid: int, timeout: float = 30) -> None:
+    """Until ``pid`` has gone (a restore needs its pids free)."""
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def kill(pid: int) -> None:
@@ -130,6 +171,7 @@ def kill(pid: int) -> None:
         pass
 
 
+RESTORES = 1  # --restores: each checkpoint restored this many times (median, fastest, slowest)
 WARM = False  # --warm: leave the image in the page cache (separates reading the disk from the rest)
 
 
@@ -189,6 +231,7 @@ async def main(gib: float, kinds: list[str], root: Path, level: int, name: str) 
     write_json(
         name or ("storage_warm" if WARM else "storage"), rows, data=how, compression_level=level,
         table=table, average_chunk_bytes=chunks.average_chunk_bytes, cold_cache=not WARM,
+        restores=RESTORES,
         pipe_max_size=pipe_max_size(), restore_pipe_bytes=chunks.restore_pipe_bytes,
     )
     shutil.rmtree(root, ignore_errors=True)
@@ -201,7 +244,9 @@ if __name__ == "__main__":
     p.add_argument("--level", type=int, default=1, help="LocalBackend.compression_level")
     p.add_argument("--dir", default="/var/tmp/gpusnap-storage-bench")
     p.add_argument("--warm", action="store_true", help="restore with the image in the page cache (storage_warm.json)")
+    p.add_argument("--restores", type=int, default=1, help="restores per checkpoint (median reported)")
     p.add_argument("--name", default="", help="results file name (default storage, or storage_warm with --warm)")
     a = p.parse_args()
     WARM = a.warm
+    RESTORES = max(1, a.restores)
     asyncio.run(main(a.gib, a.kinds, Path(a.dir), a.level, a.name))

@@ -35,11 +35,14 @@ def test_stream_ceiling_restores_three_ways_intact(tmp_path):
     assert [s["ratio"] for s in doc["summary"]][0] == 1.0
 
 
-def test_storage_bench_reports_the_pipe_of_streamed_restores(tmp_path):
-    run_bench(tmp_path, "storage.py", "--gib", "0.05", "--kinds", "random", "--name", "s")
+def test_storage_bench_restores_twice_and_reports_the_pipe(tmp_path):
+    run_bench(tmp_path, "storage.py", "--gib", "0.05", "--kinds", "random", "--name", "s",
+              "--restores", "2")  # fmt: skip
     doc = json.loads((tmp_path / "results" / "s.json").read_text())
     modes = {r["mode"]: r for r in doc["rows"]}
-    assert all(r["intact"] for r in doc["rows"])
+    assert all(r["intact"] for r in doc["rows"])  # both restores of every checkpoint
+    assert doc["restores"] == 2
+    assert all(r["restore_min_s"] <= r["restore_s"] <= r["restore_max_s"] for r in doc["rows"])
     assert modes["files"]["pipe_kib"] is None and modes["chunks"]["pipe_kib"] > 0
     assert modes["chunks, again, unpacked first"]["pipe_kib"] is None
     assert doc["restore_pipe_bytes"] == 16 << 20
