@@ -239,21 +239,24 @@ class LocalBackend(CheckpointBackend):
     storage = Enum(
         ["files", "chunks"],
         "files",
-        help="""How images are kept. 'files': CRIU's image files as written (fastest
-        restore from a warm page cache). 'chunks': cut into content-defined chunks,
-        zstd-compressed in parallel and stored once under <checkpoint_dir>/.chunks, so data
-        shared between snapshots (the same model in many servers, a server suspended
-        again) takes disk space once; needed for encryption_key_file. Existing checkpoints
-        keep the storage they were written with.""",
+        help="""How images are kept. 'files': CRIU's image files as written (nothing to set
+        up beyond CRIU; the fastest restore of incompressible data and on hosts with few
+        cores). 'chunks': cut into content-defined chunks, zstd-compressed in parallel and
+        stored once under <checkpoint_dir>/.chunks, so data shared between snapshots (the
+        same model in many servers, a server suspended again) takes disk space once; model
+        weights restore faster than from 'files' on many-core hosts (raise
+        fs.pipe-max-size, see restore_pipe_bytes); needed for encryption_key_file. Existing
+        checkpoints keep the storage they were written with (docs/performance.md).""",
     ).tag(config=True)
 
     compression_level = Integer(
         1,
         help="""zstd level for storage = 'chunks' (1 fastest … 19 smallest; 0 stores chunks
         uncompressed). Level 1 compresses faster than most disks write; data that does not
-        shrink by 3 % is stored uncompressed whatever this says. Uncompressed chunks restore
-        faster (spliced to CRIU from the page cache): 0 trades about a third more disk for
-        model weights for restores close to a raw image's (docs/performance.md).""",
+        shrink by 3 % is stored uncompressed whatever this says. Higher levels write less
+        and suspend slower; restores decompress in parallel at any level. 0 saves the
+        decompression's CPU at restore (worth it on hosts with few cores) for about a third
+        more disk for model weights (docs/performance.md).""",
     ).tag(config=True)
 
     average_chunk_bytes = Integer(
