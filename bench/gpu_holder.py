@@ -1,8 +1,8 @@
-"""A process holding N GiB of random data on the GPU, for the suspend bench.
+"""A process holding N GiB of data on the GPU, for the suspend bench.
 
 It runs detached (its own session, no pipes to the bench, so CRIU can dump it alone):
-``python bench/gpu_holder.py GIB STATE_DIR [GPUS]`` (GIB on each of the first GPUS
-GPUs, default 1). When ready it writes STATE_DIR/ready;
+``python bench/gpu_holder.py GIB STATE_DIR [GPUS [DATA]]`` (GIB on each of the first GPUS
+GPUs, default 1; DATA ``random``, the default, or ``weights``: bf16 ``randn * 0.02``). When ready it writes STATE_DIR/ready;
 on SIGUSR1 it writes the sha256 of its GPU data (copied out in 1 GiB chunks) to
 STATE_DIR/checksum.<n>, n counting up from 1.
 """
@@ -23,6 +23,7 @@ GiB = 1024**3
 def main() -> None:
     gib, state = float(sys.argv[1]), sys.argv[2]
     gpus = int(sys.argv[3]) if len(sys.argv) > 3 else 1
+    data = sys.argv[4] if len(sys.argv) > 4 else "random"
     n = int(gib * GiB) // 4
     chunks = []
     for gpu in range(gpus):
@@ -31,9 +32,13 @@ def main() -> None:
         gen = torch.Generator(device=device).manual_seed(1234 + gpu)
         while left:
             k = min(left, GiB // 4)
-            chunks.append(
-                torch.randint(-(2**31), 2**31 - 1, (k,), dtype=torch.int32, device=device, generator=gen)
-            )
+            if data == "weights":  # bf16 like a model's weights, seen as int32 pairs
+                w = torch.randn(2 * k, dtype=torch.bfloat16, device=device, generator=gen) * 0.02
+                chunks.append(w.view(torch.int32))
+            else:
+                chunks.append(
+                    torch.randint(-(2**31), 2**31 - 1, (k,), dtype=torch.int32, device=device, generator=gen)
+                )
             left -= k
         torch.cuda.synchronize(device)
     host = torch.empty(GiB // 4, dtype=torch.int32, pin_memory=True)

@@ -22,11 +22,14 @@ Each size runs ``--repeat`` times, ours and bare alternating which goes first (t
 one pays the host memory's first touch); the row holds the medians, ``runs`` every run.
 ``--gpus N``: the process holds GIB on each of N GPUs (the driver checkpoints them
 together); the rows then also give ``ratio_to_1gpu`` against a 1-GPU run of the same
-size per GPU in the same run. ``--storage chunks``: ours uses chunk storage.
+size per GPU in the same run. ``--storage chunks``: ours uses chunk storage
+(``written_bytes``: the new chunks). ``--data weights``: the GPU holds bf16 model-like
+weights (``randn * 0.02``) instead of random data (which chunk storage cannot compress).
 
 Usage: ``python bench/gpu_suspend.py [GIB ...] [--repeat N] [--gpus N] [--storage files|chunks]
-[--dir DIR]`` → bench/results/gpu_suspend.json (``gpu_suspend_<storage>_<N>gpu.json`` for
-other storage or GPU counts).
+[--data random|weights] [--dir DIR]`` → bench/results/gpu_suspend.json
+(``gpu_suspend_<storage>_<N>gpu.json`` for other storage or GPU counts, ``_weights`` added
+for weights).
 """
 
 from __future__ import annotations
@@ -48,11 +51,13 @@ from common import machine, print_table, results_dir
 from jupyterhub_gpusnap.checkpoint.criu import find_criu
 from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend
+from jupyterhub_gpusnap.checkpoint.manifest import Manifest
 from jupyterhub_gpusnap.model import Server
 
 HERE = Path(__file__).parent
+DATA = "random"  # --data: what the GPU holds (bench/gpu_holder.py)
 COLUMNS = [
-    "gib", "gpu_bytes", "image_bytes", "time_to_gpu_free_s", "time_to_disk_s", "restore_s",
+    "gib", "gpu_bytes", "image_bytes", "written_bytes", "time_to_gpu_free_s", "time_to_disk_s", "restore_s",
     "driver_checkpoint_s", "driver_restore_s", "bare_suspend_s", "bare_restore_s",
     "bare_durable_suspend_s", "gpu_free_ratio", "disk_ratio", "durable_disk_ratio", "disk_bound_ratio", "restore_ratio", "intact",
     "bare_intact",
@@ -76,7 +81,7 @@ class Holder:
         self.state = Path(tempfile.mkdtemp(dir=root, prefix="holder-"))
         log = open(self.state / "log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", str(HERE / "gpu_holder.py"), str(gib), str(self.state), str(gpus)],
+            [sys.executable, "-u", str(HERE / "gpu_holder.py"), str(gib), str(self.state), str(gpus), DATA],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd=self.state,
         )
         self.pid = self.proc.pid
@@ -138,7 +143,9 @@ async def ours(gib: float, root: Path, backend: LocalBackend, gpus: int = 1) -> 
     after = h.checksum(pid)
     kill(pid)
     done = await backend.get(info.id)
+    m = Manifest.load(backend.folder(info.id))
     return {
+        "written_bytes": m.new_bytes if m.storage == "chunks" else m.image_bytes,
         "restore_phases": (done.extra.get("restore_phases") if done else None),
         "checkpoint_phases": {k: info.extra.get(k) for k in ("time_to_gpu_free_s", "dump_seconds", "seal_seconds")},
         "gpu_bytes": info.gpu_bytes,
@@ -248,6 +255,7 @@ async def main(sizes: list[float], root: Path, repeat: int, gpus: int, storage: 
     disk = disk_write_gbps(root)
     about = machine()
     name = "gpu_suspend" if (storage, gpus) == ("files", 1) else f"gpu_suspend_{storage}_{gpus}gpu"
+    name += "_weights" if DATA == "weights" else ""
     path = results_dir() / f"{name}.json"
     rows = []
     for gib in sizes:
@@ -258,7 +266,7 @@ async def main(sizes: list[float], root: Path, repeat: int, gpus: int, storage: 
             add_disk_bound(run)
             runs.append(run)
             print(f"{gib:g} GiB x {gpus} GPU run {r + 1}: {run}", flush=True)
-        row = {"gib": gib, "gpus": gpus, "storage": storage, "repeat": repeat}
+        row = {"gib": gib, "gpus": gpus, "storage": storage, "data": DATA, "repeat": repeat}
         for k, v in runs[0].items():
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 row[k] = all(x[k] for x in runs) if isinstance(v, bool) else v
@@ -286,6 +294,9 @@ if __name__ == "__main__":
     p.add_argument("--repeat", type=int, default=3, help="runs per size (medians reported)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs the process holds data on")
     p.add_argument("--storage", choices=["files", "chunks"], default="files", help="LocalBackend.storage")
+    p.add_argument("--data", choices=["random", "weights"], default="random",
+                   help="what the GPU holds: random int32, or bf16 weights (randn * 0.02)")  # fmt: skip
     p.add_argument("--dir", default="/var/tmp/gpusnap-bench")
     a = p.parse_args()
+    DATA = a.data
     asyncio.run(main(a.sizes, Path(a.dir), a.repeat, a.gpus, a.storage))
