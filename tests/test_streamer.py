@@ -183,3 +183,55 @@ def test_a_damaged_raw_chunk_ends_its_file_before_its_bytes(tmp_path, packed_sto
     assert cid[:12] in problem and "checksum" in problem
     before = sum(n for _, n in refs[:2])
     assert got == srcs["pages-1.img"][:before]  # every byte up to the damaged chunk, none of it
+
+
+def test_chunks_held_open_stay_within_the_descriptor_limit(tmp_path):
+    """Decoded and raw chunks wait for the pipe as open files: with a window far larger than
+    the process may open (RLIMIT_NOFILE 64, as low as a limit gets) and two files streamed
+    at once, every byte still arrives and nothing is reported."""
+    code = r'''
+import os, resource, socket, sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from jupyterhub_gpusnap.checkpoint.chunks import ChunkStore
+from jupyterhub_gpusnap.checkpoint.streamer import _LEN, SOCKET_NAME, ChunkStreamer
+
+root = Path(sys.argv[1])
+pool = ThreadPoolExecutor(4)
+store = ChunkStore(root / "store", pool, avg_pages=16)
+weights = bytearray(os.urandom(4 << 20))
+weights[1::2] = b"<" * (2 << 20)  # like bf16 weights: zstd shrinks it
+srcs = {"pages-1.img": os.urandom(4 << 20), "pages-2.img": bytes(weights)}
+for name, data in srcs.items():
+    (root / name).write_bytes(data)
+chunks = {n: p.chunks for n, p in store.pack([root / n for n in srcs]).items()}
+assert all(len(c) > 40 for c in chunks.values()), {n: len(c) for n, c in chunks.items()}
+assert store.open_raw("plain", *chunks["pages-2.img"][0]) is None  # compressed: memfd
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+folder = root / "s"
+folder.mkdir()
+streamer = ChunkStreamer(store, "plain", chunks, folder, window=512, prefetch=512).start()
+c = socket.socket(socket.AF_UNIX)
+c.connect(str(folder / SOCKET_NAME))
+ends = {}
+for name in srcs:  # both files asked for before either is read: both windows fill
+    req = b"\x0a" + bytes([len(name)]) + name.encode()
+    c.sendall(_LEN.pack(len(req)) + req)
+    c.recv(4 + 2)
+    r, w = os.pipe()
+    socket.send_fds(c, [b"\0"], [w])
+    os.close(w)
+    ends[name] = r
+import time; time.sleep(1)
+for name, r in ends.items():
+    data = b""
+    while part := os.read(r, 1 << 20):
+        data += part
+    os.close(r)
+    assert data == srcs[name], (name, len(data))
+c.close()
+print(streamer.finish())
+'''
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"

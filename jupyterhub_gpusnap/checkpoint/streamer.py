@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import fcntl
 import os
+import resource
 import socket
 import struct
 import threading
@@ -103,6 +104,9 @@ class ChunkStreamer:
     for the files being sent and returns what was wrong with them (empty: every byte CRIU
     got was checked). ``window`` chunks per file are decoded ahead in the store's pool,
     and the disk is asked for ``prefetch`` chunks ahead (:meth:`ChunkStore.prefetch`).
+    A chunk waits for the pipe as an open file: all files together hold at most
+    :func:`open_chunk_limit` of them (a window of 4 per CPU on a big node, times the
+    processes of a tree, would pass a 1024-descriptor limit).
     """
 
     def __init__(self, store: ChunkStore, space: str, chunks: dict[str, list], folder: Path,
@@ -123,6 +127,9 @@ class ChunkStreamer:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        # every chunk loaded ahead is an open file until it is spliced: all files together
+        # stay within the descriptors this process may open (RLIMIT_NOFILE)
+        self._open = threading.Semaphore(open_chunk_limit())
         self._listener: socket.socket | None = None
         self._conn: socket.socket | None = None
 
@@ -203,25 +210,32 @@ class ChunkStreamer:
             def refill() -> None:
                 nonlocal nxt
                 while len(ahead) < self.window and nxt < len(refs):
+                    # one chunk in flight per file needs no slot: every file moves on
+                    if ahead and not self._open.acquire(blocking=False):
+                        return
                     cid, length = refs[nxt]
-                    ahead.append((cid, pool.submit(load, cid, length)))
+                    ahead.append((cid, pool.submit(load, cid, length), bool(ahead)))
                     if nxt + self.prefetch < len(refs):
                         prefetch(self.space, refs[nxt + self.prefetch][0])
                     nxt += 1
 
             refill()
             while ahead:
-                cid, fut = ahead.popleft()
-                refill()
+                cid, fut, slot = ahead.popleft()
                 t0 = clock()
                 try:
                     data = fut.result()  # (fd, offset) holding the checked chunk
                 except (OSError, ValueError) as e:
                     self._problem(f"{name}: {e}")
                     return
+                finally:
+                    if slot:
+                        self._open.release()  # the slot passes to the chunk loaded next
                 t1 = clock()
+                refill()
+                t2 = clock()
                 ok = pipe.splice_from(*data, length=refs_len[cid])
-                storage_s, criu_s = storage_s + t1 - t0, criu_s + clock() - t1
+                storage_s, criu_s = storage_s + t1 - t0, criu_s + clock() - t2
                 if ok is None:
                     self._problem(f"{name}: chunk {cid[:12]}… ended early (damaged)")
                     return
@@ -229,8 +243,8 @@ class ChunkStreamer:
                     return
                 sent += refs_len[cid]
         finally:
-            for _, fut in ahead:  # chunks loaded for nothing: close the files opened for them
-                fut.add_done_callback(_close_opened)
+            for _, fut, slot in ahead:  # loaded for nothing: close the files opened for them
+                fut.add_done_callback(self._close_and_free if slot else _close_opened)
             with self._lock:
                 self.served[name] = sent
                 self.waited["storage_s"] += storage_s
@@ -252,10 +266,24 @@ class ChunkStreamer:
         self.path.unlink(missing_ok=True)
         return list(self.problems)
 
+    def _close_and_free(self, fut) -> None:
+        _close_opened(fut)
+        self._open.release()
+
 
 def _close_opened(fut) -> None:
     if not fut.cancelled() and fut.exception() is None:
         os.close(fut.result()[0])
+
+
+def open_chunk_limit() -> int:
+    """How many chunks a streamer may hold open at once: half the descriptors this process
+    may open (``RLIMIT_NOFILE``'s soft limit; the rest stays for everything else), at
+    least 4 — the senders go on one chunk at a time past it."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 16
+    return max(4, soft // 2)
 
 
 class PipeWriter:
