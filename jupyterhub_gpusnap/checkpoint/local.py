@@ -255,8 +255,8 @@ class LocalBackend(CheckpointBackend):
         uncompressed). Level 1 compresses faster than most disks write; data that does not
         shrink by 3 % is stored uncompressed whatever this says. Higher levels write less
         and suspend slower; restores decompress in parallel at any level. 0 saves the
-        decompression's CPU at restore (worth it on hosts with few cores) for about a third
-        more disk for model weights (docs/performance.md).""",
+        decompression's CPU at restore, for about a third more disk for model weights
+        (docs/performance.md).""",
     ).tag(config=True)
 
     average_chunk_bytes = Integer(

@@ -295,7 +295,6 @@ class PipeWriter:
 
     def __init__(self, fd: int, size: int = PIPE_BYTES):
         self.fd = fd
-        self.handed = 0
         self.size = grow_pipe(fd, size)
 
     def splice_from(self, src: int, offset: int, length: int) -> bool | None:
@@ -311,7 +310,6 @@ class PipeWriter:
                     return None
                 offset += n
                 length -= n
-                self.handed += n
             return True
         finally:
             os.close(src)
