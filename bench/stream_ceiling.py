@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from common import print_table, write_json
-from storage import Holder, pipe_max_size
+from storage import Holder, pipe_max_size, wait_gone
 
 from jupyterhub_gpusnap.checkpoint import streamer as S
 from jupyterhub_gpusnap.checkpoint.chunks import ChunkStore
@@ -65,13 +65,6 @@ class SpliceFeeder(S.ChunkStreamer):
         finally:
             os.close(src)
             os.close(fd)
-
-
-def wait_gone(pid: int) -> None:
-    """Until the killed process is reaped: the next restore needs its pid again."""
-    deadline = time.monotonic() + 30
-    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def main(gib: float, kind: str, repeat: int, root: Path) -> None:
@@ -123,8 +116,7 @@ def main(gib: float, kind: str, repeat: int, root: Path) -> None:
             pid = int(pidfile.read_text())
             intact = None
             if check:
-                h.pid, h.n = pid, 1
-                (h.state / "checksum.2").unlink(missing_ok=True)
+                h.pid, h.n = pid, 1  # its count of answers as it was dumped
                 intact = h.checksum() == before
             os.kill(pid, signal.SIGKILL)
             wait_gone(pid)

@@ -289,11 +289,17 @@ class ChunkStore:
     # ------------------------------------------------------------ read
     def get(self, space: str, cid: str, length: int) -> bytes:
         """One chunk's plaintext, checked against its id (ValueError names what is wrong)."""
-        path = self.path(space, cid)
         try:
-            blob = path.read_bytes()
+            blob = self.path(space, cid).read_bytes()
         except FileNotFoundError:
-            raise ValueError(f"chunk {cid[:12]}… is missing from {self.root / space}") from None
+            raise self._missing(space, cid) from None
+        return self._decode(blob, cid, length)
+
+    def _missing(self, space: str, cid: str) -> ValueError:
+        return ValueError(f"chunk {cid[:12]}… is missing from {self.root / space}")
+
+    def _decode(self, blob, cid: str, length: int) -> bytes:
+        """A whole chunk file's plaintext, checked against its id."""
         codec, klen = _header(blob, cid)
         header = blob[: 6 + klen]
         kid = header[6:].decode(errors="replace")
@@ -325,28 +331,7 @@ class ChunkStore:
         """
         if space != PLAIN:
             return None
-        try:
-            fd = os.open(self.path(space, cid), os.O_RDONLY)
-        except FileNotFoundError:
-            raise ValueError(f"chunk {cid[:12]}… is missing from {self.root / space}") from None
-        try:
-            codec, klen = _header(os.pread(fd, 6, 0), cid)
-            if codec != RAW or klen:
-                os.close(fd)
-                return None  # compressed or sealed: get() reads it whole
-            buf = getattr(self._local, "buf", None)
-            if buf is None or len(buf) < length:
-                buf = self._local.buf = bytearray(max(length, 8 << 20))
-            view = memoryview(buf)[:length]
-            got = os.preadv(fd, [view], 6)
-            if (got != length or os.fstat(fd).st_size != length + 6
-                    or hashlib.sha256(view).hexdigest() != cid):  # fmt: skip
-                raise ValueError(f"chunk {cid[:12]}… does not match its checksum (damaged)")
-            return fd, 6
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-            raise
+        return self._open_checked(space, cid, length, raw_only=True)
 
     def open_chunk(self, space: str, cid: str, length: int) -> tuple[int, int]:
         """A file descriptor holding one chunk's checked plaintext and where it starts, to
@@ -356,19 +341,49 @@ class ChunkStore:
         decoded into a memory file (``memfd``), so the pipe takes page-cache pages either
         way — CRIU copies those out of a pipe at about twice the speed of anonymous memory
         lent with ``vmsplice`` (docs/performance.md). The pages are freed when the pipe
-        lets go of them.
+        lets go of them. The chunk file is opened and read once either way.
         """
-        opened = self.open_raw(space, cid, length)
-        if opened is not None:
-            return opened
-        data = self.get(space, cid, length)
-        fd = os.memfd_create("gpusnap-chunk", os.MFD_CLOEXEC)
+        return self._open_checked(space, cid, length, raw_only=False)
+
+    def _open_checked(self, space: str, cid: str, length: int, raw_only: bool):
         try:
-            _write_all(fd, memoryview(data))
+            fd = os.open(self.path(space, cid), os.O_RDONLY)
+        except FileNotFoundError:
+            raise self._missing(space, cid) from None
+        try:
+            codec, klen = _header(os.pread(fd, 6, 0), cid)
+            if codec == RAW and not klen:
+                return fd, self._check_raw(fd, cid, length)
+            if raw_only:
+                os.close(fd)
+                return None  # compressed or sealed: get() reads it whole
+            with open(fd, "rb", closefd=False) as f:
+                blob = f.read()
         except BaseException:
-            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
             raise
-        return fd, 0
+        os.close(fd)
+        data = self._decode(blob, cid, length)
+        mfd = os.memfd_create("gpusnap-chunk", os.MFD_CLOEXEC)
+        try:
+            _write_all(mfd, memoryview(data))
+        except BaseException:
+            os.close(mfd)
+            raise
+        return mfd, 0
+
+    def _check_raw(self, fd: int, cid: str, length: int) -> int:
+        """Check a raw chunk's bytes in ``fd`` against its id; where they start."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < length:
+            buf = self._local.buf = bytearray(max(length, 8 << 20))
+        view = memoryview(buf)[:length]
+        got = os.preadv(fd, [view], 6)
+        if (got != length or os.fstat(fd).st_size != length + 6
+                or hashlib.sha256(view).hexdigest() != cid):  # fmt: skip
+            raise ValueError(f"chunk {cid[:12]}… does not match its checksum (damaged)")
+        return 6
 
     def prefetch(self, space: str, cid: str) -> None:
         """Have the kernel start reading a chunk now (``POSIX_FADV_WILLNEED``, which returns
