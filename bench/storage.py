@@ -28,9 +28,12 @@ capped by ``/proc/sys/fs/pipe-max-size`` without CAP_SYS_RESOURCE; the JSON has 
 Usage: ``python bench/storage.py [--gib 4] [--kinds weights random] [--dir DIR] [--warm]
 [--name NAME] [--restores N]`` → bench/results/storage.json (``--warm``: the image left in the page cache
 before each restore, which separates reading the disk from the rest → storage_warm.json;
-``--name``: another file name; ``--restores``: each checkpoint restored N times — the
-restored process killed in between — and ``restore_s`` their median, ``restore_min_s`` /
-``restore_max_s`` the fastest and slowest, ``intact`` true only if every restore was).
+``--name``: another file name; ``--restores``: each checkpoint restored N times — once
+right after it was taken, then in turns across the rows (files, chunks, chunks again, …,
+files, chunks, …) so that a machine whose speed drifts during the run slows every row
+alike; the restored process killed in between — and ``restore_s`` their median,
+``restore_min_s`` / ``restore_max_s`` the fastest and slowest, ``intact`` true only if
+every restore was).
 Needs root and CRIU >= 4.2.
 """
 
@@ -103,8 +106,9 @@ def drop_image(backend: LocalBackend, checkpoint_id: str) -> None:
 
 
 async def cycle(backend: LocalBackend, h: Holder, name: str) -> dict:
-    """Checkpoint ``h`` (its current pid), restore it ``RESTORES`` times; the row's figures
-    (restore times: the median, with the fastest and slowest)."""
+    """Checkpoint ``h`` (its current pid) and restore it once (the next row checkpoints the
+    restored process); the checkpoint's record, which :func:`restore_again` adds restores to
+    and :func:`figures` turns into the row's figures."""
     before = h.checksum()
     t = time.monotonic()
     info = await backend.checkpoint(Server(user="bench", name=name, state={"pid": h.pid}))
@@ -113,32 +117,51 @@ async def cycle(backend: LocalBackend, h: Holder, name: str) -> dict:
         h.proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         pass
-    folder = backend.folder(info.id)
-    times, phases, intact = [], [], []
-    asked = h.n  # answers the holder had given when it was checkpointed
-    for i in range(RESTORES):
-        h.n = asked
-        if i:  # again from the same checkpoint: the restored process goes, the image is
-            kill(h.pid)  # marked verified again (a restore marks it restored)
-            wait_gone(h.pid)
-            m = Manifest.load(folder)
-            m.status = "verified"
-            m.save(folder)
-        if not WARM:
-            await asyncio.to_thread(drop_image, backend, info.id)
-        t = time.monotonic()
-        pid, _, _ = await backend.restore(info)
-        times.append(time.monotonic() - t)
-        h.pid = pid
-        m = Manifest.load(folder)
-        phases.append(m.extra.get("restore_phases") or {})
-        intact.append(h.checksum() == before)
+    rec = {"backend": backend, "holder": h, "info": info, "before": before, "asked": h.n,
+           "suspend_s": suspend_s, "times": [], "phases": [], "intact": []}  # fmt: skip
+    await restore_once(rec)
+    return rec
+
+
+async def restore_once(rec: dict) -> None:
+    """Restore ``rec``'s checkpoint (its pid must be free): time it, check the data."""
+    backend, h, info = rec["backend"], rec["holder"], rec["info"]
+    h.n = rec["asked"]  # answers the holder had given when it was checkpointed
+    if not WARM:
+        await asyncio.to_thread(drop_image, backend, info.id)
+    t = time.monotonic()
+    pid, _, _ = await backend.restore(info)
+    rec["times"].append(time.monotonic() - t)
+    h.pid = pid
+    rec["phases"].append(Manifest.load(backend.folder(info.id)).extra.get("restore_phases") or {})
+    rec["intact"].append(h.checksum() == rec["before"])
+
+
+async def restore_again(rec: dict) -> None:
+    """Restore ``rec``'s checkpoint once more: the process holding its pid goes, the image
+    is marked verified again (a restore marks it restored), the restored process goes after."""
+    h = rec["holder"]
+    kill(h.pid)
+    wait_gone(h.pid)
+    folder = rec["backend"].folder(rec["info"].id)
+    m = Manifest.load(folder)
+    m.status = "verified"
+    m.save(folder)
+    await restore_once(rec)
+    kill(h.pid)
+    wait_gone(h.pid)
+
+
+def figures(rec: dict) -> dict:
+    """A checkpoint's row: restore times are the median, with the fastest and slowest."""
+    m = Manifest.load(rec["backend"].folder(rec["info"].id))
+    times, phases = rec["times"], rec["phases"]
     written = m.new_bytes if m.storage == "chunks" else m.image_bytes
     return {
         "image_bytes": m.image_bytes,
         "written_bytes": written,
         "stored_bytes": m.stored_bytes or m.image_bytes,
-        "suspend_s": round(suspend_s, 3),
+        "suspend_s": round(rec["suspend_s"], 3),
         "restore_s": round(statistics.median(times), 3),
         "restore_min_s": round(min(times), 3),
         "restore_max_s": round(max(times), 3),
@@ -148,7 +171,7 @@ async def cycle(backend: LocalBackend, h: Holder, name: str) -> dict:
         "waited_storage_s": median_of(phases, "stream_waited_storage_s"),
         "waited_criu_s": median_of(phases, "stream_waited_criu_s"),
         "pipe_kib": (phases[-1].get("pipe_bytes") or 0) >> 10 or None,
-        "intact": all(intact),
+        "intact": all(rec["intact"]),
     }
 
 
@@ -200,25 +223,34 @@ async def main(gib: float, kinds: list[str], root: Path, level: int, name: str) 
     )
     rows = []
     how = {}
+    order: list[str] = []  # the restores, in the order they ran
     for kind in kinds:
         print(f"{kind}: starting a holder of {gib:g} GiB", flush=True)
         h = Holder(kind, gib, 1, root)
         how[kind] = h.how
         base = {"kind": kind, "gib": gib}
-        got = [dict(base, mode="files", **await cycle(files, h, kind))]
-        print(f"{kind}: {got[-1]}", flush=True)
-        got.append(dict(base, mode="chunks", **await cycle(chunks, h, kind)))
-        print(f"{kind}: {got[-1]}", flush=True)
-        got.append(dict(base, mode="chunks, again", **await cycle(chunks, h, kind)))
-        print(f"{kind}: {got[-1]}", flush=True)
-        got.append(dict(base, mode="chunks, again, unpacked first", **await cycle(unpacked, h, kind)))
-        print(f"{kind}: {got[-1]}", flush=True)
+        recs = {}
+        for mode, backend in (("files", files), ("chunks", chunks), ("chunks, again", chunks),
+                              ("chunks, again, unpacked first", unpacked)):  # fmt: skip
+            recs[mode] = await cycle(backend, h, kind)
+            order.append(f"{kind}: {mode}")
         kill(h.pid)
+        wait_gone(h.pid)
         if kind == "weights":
             for user in (2, 3):
                 other = Holder(kind, gib, 1, root)
-                got.append(dict(base, mode=f"chunks, user {user}", **await cycle(chunks, other, f"{kind}-{user}")))
+                recs[f"chunks, user {user}"] = await cycle(chunks, other, f"{kind}-{user}")
+                order.append(f"{kind}: chunks, user {user}")
                 kill(other.pid)
+                wait_gone(other.pid)
+        for r in range(1, RESTORES):  # in turns across the rows: drift hits every row alike
+            for mode, rec in recs.items():
+                await restore_again(rec)
+                order.append(f"{kind}: {mode}")
+            print(f"{kind}: restores round {r + 1} of {RESTORES} done", flush=True)
+        got = [dict(base, mode=mode, **figures(rec)) for mode, rec in recs.items()]
+        for row in got:
+            print(f"{kind}: {row}", flush=True)
         ref = got[0]
         for row in got:
             row["written_ratio"] = round(row["written_bytes"] / ref["written_bytes"], 3)
@@ -231,7 +263,7 @@ async def main(gib: float, kinds: list[str], root: Path, level: int, name: str) 
     write_json(
         name or ("storage_warm" if WARM else "storage"), rows, data=how, compression_level=level,
         table=table, average_chunk_bytes=chunks.average_chunk_bytes, cold_cache=not WARM,
-        restores=RESTORES,
+        restores=RESTORES, restore_order=order,
         pipe_max_size=pipe_max_size(), restore_pipe_bytes=chunks.restore_pipe_bytes,
     )
     shutil.rmtree(root, ignore_errors=True)
