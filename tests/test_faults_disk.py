@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from jupyterhub_gpusnap import metrics
+from jupyterhub_gpusnap.checkpoint.base import CheckpointError
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend, is_alive, is_frozen
 from jupyterhub_gpusnap.checkpoint.manifest import MANIFEST, Manifest
 from jupyterhub_gpusnap.model import Server, State
@@ -177,3 +178,54 @@ async def test_disk_full_during_a_dump(small_disk, server, tmp_path):
         assert back["secret"] == before["secret"] and back["count"] == after["count"]
     finally:
         store.close()
+
+
+def fill_at_pre_dump(tmp_path: Path) -> str:
+    """A CRIU action script: at pre-dump, a file in the image folder takes the disk's last
+    byte (as a half-written pages image does), so CRIU's own log cannot say why it failed."""
+    hook = tmp_path / "fill.sh"
+    hook.write_text(
+        '#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = pre-dump ] || exit 0\n'
+        'dd if=/dev/zero of="$CRTOOLS_IMAGE_DIR/pages-filler.img" bs=64k 2>/dev/null\n'
+        "exit 0\n"
+    )
+    hook.chmod(0o700)
+    return str(hook)
+
+
+async def test_disk_full_when_the_log_cannot_say_so(small_disk, server, tmp_path):
+    """The disk fills to the last byte: CRIU's log (on that disk) is cut short and even the
+    failure record does not fit. The backend asks the disk, gives the partial image's space
+    back and records the failure naming the full disk; nothing stays "being written"."""
+    before = await server.ask("inc")
+    backend = LocalBackend(
+        checkpoint_dir=str(small_disk / "checkpoints"),
+        min_free_bytes=0,
+        dump_extra_args=["--action-script", fill_at_pre_dump(tmp_path)],
+    )
+    alice = Server(user="alice", name="", state={"pid": server.pid})
+    with pytest.raises(CheckpointError):
+        await backend.checkpoint(alice)
+
+    # the server goes on with the same memory
+    assert is_alive(server.pid) and not is_frozen(server.pid)
+    after = await server.ask("inc")
+    assert after["secret"] == before["secret"] and after["count"] == before["count"] + 1
+
+    (found,) = await backend.list()
+    log = (backend.folder(found.id) / "dump.log").read_text(errors="replace")
+    assert "No space left on device" not in log  # the case under test: the log cannot say
+    assert found.status == "failed", found
+    assert "No space left on device" in found.error and str(backend.root) in found.error
+    assert await backend.writing("alice", "") is None
+    # the space is back at once, before any retention pass
+    assert not list(backend.root.rglob("*.img"))
+    assert shutil.disk_usage(small_disk).free > (DISK_MIB - 4) << 20
+
+    backend.dump_extra_args = []
+    info = await backend.checkpoint(alice)
+    assert info.status == "verified"
+    pid, _, _ = await backend.restore(info)
+    server.pid = pid
+    back = await server.ask("get")
+    assert back["secret"] == before["secret"] and back["count"] == after["count"]

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -684,11 +685,12 @@ class LocalBackend(CheckpointBackend):
         except Exception as e:
             if follower is not None:
                 await asyncio.to_thread(follower.close)
-            await self._fail(folder, m, server.key, pids, cuda_pids, str(e))
+            why = await self._fail(folder, m, server.key, pids, cuda_pids, str(e))
             if isinstance(e, CheckpointError):
-                raise CheckpointError(f"{server.key}: {e}; the server keeps running") from e
+                raise CheckpointError(f"{server.key}: {why}; the server keeps running") from e
             raise CheckpointError(
-                f"{server.key}: checkpoint failed ({type(e).__name__}: {e}); the server keeps running"
+                f"{server.key}: checkpoint failed ({type(e).__name__}: {why}); "
+                "the server keeps running"
             ) from e
 
         m.status = "verified"
@@ -815,30 +817,41 @@ class LocalBackend(CheckpointBackend):
 
     async def _fail(
         self, folder: Path, m: Manifest, key: str, pids: list[int], cuda_pids: list[int], why: str
-    ) -> None:
-        """Let the server go on (SIGCONT, GPU memory back) and keep the image as ``failed``."""
+    ) -> str:
+        """Let the server go on (SIGCONT, GPU memory back) and keep the image as ``failed``;
+        the reason recorded (``why`` and what was found and done about it)."""
         self.resume_tree(pids)
         if cuda_pids and self.cuda() is not None:
             try:
                 await self.cuda().resume(cuda_pids)
             except Exception as e:
                 why += f"; resuming GPU memory failed too: {e}"
-        if _disk_full(why):
-            # A half-written image is of no use (the server runs on) and keeps every other
-            # suspension from fitting: give the space back, keep the logs and the manifest.
-            freed = await asyncio.to_thread(_drop_image_files, folder)
-            why += (
-                f"; the disk holding {self.root} is full: the partial image "
-                f"({freed / 2**20:.1f} MiB) was deleted. Free space there, move "
-                "LocalBackend.checkpoint_dir, or lower keep_last/max_age_days"
-            )
-        m.status = "failed"
-        m.error = why
-        try:
-            m.save(folder)
-        except OSError as e:
-            self.log.error("%s: cannot record failure in %s: %s", key, folder, e)
+        full = _disk_full(why, folder)
+        for attempt in range(2):
+            if full:
+                # A half-written image is of no use (the server runs on) and keeps every
+                # other suspension from fitting: give the space back, keep logs and manifest.
+                # (CRIU's log is on the same disk, so it may be cut short before it says
+                # why; the disk is asked too, and a record that does not fit says so.)
+                freed = await asyncio.to_thread(_drop_image_files, folder)
+                why += (
+                    f"; the disk holding {self.root} is full (No space left on device): the "
+                    f"partial image ({freed / 2**20:.1f} MiB) was deleted. Free space there, "
+                    "move LocalBackend.checkpoint_dir, or lower keep_last/max_age_days"
+                )
+            m.status, m.error = "failed", why
+            try:
+                m.save(folder)
+                break
+            except OSError as e:
+                if attempt == 0 and not full and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    full = True
+                    continue
+                # apply_retention()'s recover() records it once it can
+                self.log.error("%s: cannot record failure in %s: %s", key, folder, e)
+                break
         self.log.error("%s: checkpoint %s failed, server resumed: %s", key, self._id(folder), why)
+        return why
 
     @staticmethod
     def resume_tree(pids: list[int]) -> None:
@@ -1377,9 +1390,22 @@ class LocalBackend(CheckpointBackend):
         return done
 
 
-def _disk_full(why: str) -> bool:
-    """True if a failure's text says the disk (or the quota) is full."""
-    return "No space left on device" in why or "Disk quota exceeded" in why
+# Less free space than this after a failed dump counts as a full disk (CRIU stops at
+# its first failed write, a few MiB of pages at most short of the end).
+DISK_FULL_MARGIN = 16 << 20
+
+
+def _disk_full(why: str, folder: Path) -> bool:
+    """True if a failure's text says the disk (or the quota) is full, or the disk holding
+    ``folder`` has under DISK_FULL_MARGIN free (CRIU's log on a full disk may be cut
+    short before it says so)."""
+    if "No space left on device" in why or "Disk quota exceeded" in why:
+        return True
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < DISK_FULL_MARGIN
 
 
 def _drop_image_files(folder: Path) -> int:
