@@ -827,7 +827,7 @@ class LocalBackend(CheckpointBackend):
             except Exception as e:
                 why += f"; resuming GPU memory failed too: {e}"
         full = _disk_full(why, folder)
-        for attempt in range(2):
+        while True:
             if full:
                 # A half-written image is of no use (the server runs on) and keeps every
                 # other suspension from fitting: give the space back, keep logs and manifest.
@@ -842,14 +842,13 @@ class LocalBackend(CheckpointBackend):
             m.status, m.error = "failed", why
             try:
                 m.save(folder)
-                break
             except OSError as e:
-                if attempt == 0 and not full and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    full = True
+                if not full and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                    full = True  # no room even for the record: free the image, record again
                     continue
                 # apply_retention()'s recover() records it once it can
                 self.log.error("%s: cannot record failure in %s: %s", key, folder, e)
-                break
+            break
         self.log.error("%s: checkpoint %s failed, server resumed: %s", key, self._id(folder), why)
         return why
 
