@@ -8,6 +8,7 @@ set JUPYTERHUB_API_TOKEN, JUPYTERHUB_API_URL and JUPYTERHUB_SERVICE_URL yourself
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -17,7 +18,7 @@ from urllib.parse import urlparse
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from tornado import web
 from tornado.httpserver import HTTPServer
-from traitlets import Bool, Dict, Float, List, TraitError, Type, Unicode, default, validate
+from traitlets import Bool, Dict, Enum, Float, List, TraitError, Type, Unicode, default, validate
 from traitlets.config import Application
 
 from . import __version__
@@ -85,6 +86,20 @@ class GpuSnap(Application):
 
         return [GpuSnap, Watcher, HubClient, LocalBackend, JupyterSignal, LocalProcessSignal, NvmlSignal,
                 PrometheusSignal, Mailer, Notifier]
+
+    # Decisions (state changes, warnings, suspensions, restores) are logged at INFO, routine polling
+    # at DEBUG, so the default level shows what the service does and nothing it merely looks at.
+    # The format is JupyterHub's, so a managed service's lines read alike in the Hub's log.
+    log_level = Enum(
+        (0, 10, 20, 30, 40, 50, "DEBUG", "INFO", "WARN", "ERROR", "CRITICAL"),
+        default_value=logging.INFO,
+        help="Log level by value or name. INFO (the default) logs one line per state change and "
+        "action, naming the server; DEBUG also logs each tick's readings.",
+    ).tag(config=True)
+    log_format = Unicode(
+        "[%(levelname)1.1s %(asctime)s.%(msecs).03d %(name)s %(module)s:%(lineno)d] %(message)s",
+        help="The log line's format (Python logging); the default starts with the level and the time.",
+    ).tag(config=True)
 
     config_file = Unicode(
         "gpusnap_config.py", help="The config file to load (Python, traitlets style: c.GpuSnap.interval = 60)."
@@ -173,6 +188,16 @@ class GpuSnap(Application):
     gpu_threshold = Float(
         5.0, help="GPU SM utilisation (percent) above which the server counts as working. Memory held does not count."
     ).tag(config=True)
+    interaction_window = Float(
+        None,
+        allow_none=True,
+        help="Seconds after the user's last key, click or scroll in a visible JupyterLab tab during which "
+        "their server is not suspended, even when its kernels, CPU and GPU are quiet: someone reading or "
+        "scrolling through results is using the server. The Lab extension reports this interaction "
+        "(at most twice a minute, never from a hidden tab or an open tab nobody touches). "
+        "None (default): the same as idle_window. Lower it (e.g. 900) to let readers hold a GPU for less "
+        "time than a running kernel; 0 ignores interaction (only kernels, terminals, CPU and GPU count).",
+    ).tag(config=True)
     max_keep_running = Float(
         8 * 3600,
         help="The longest a user may keep their server running past the idle policy (keep-running-until), in seconds.",
@@ -203,7 +228,7 @@ class GpuSnap(Application):
             ]
 
         Keys: name, users (globs), groups, profiles, exempt, action, idle_window, park_window,
-        warn_before, min_running, cpu_threshold, gpu_threshold, max_keep_running.""",
+        warn_before, min_running, cpu_threshold, gpu_threshold, max_keep_running, interaction_window.""",
     ).tag(config=True)
 
     # -------------------------------------------------------------- the parts
@@ -262,6 +287,7 @@ class GpuSnap(Application):
                 "cpu_threshold": self.cpu_threshold,
                 "gpu_threshold": self.gpu_threshold,
                 "max_keep_running": self.max_keep_running,
+                "interaction_window": self.interaction_window,
             }
         )
 
