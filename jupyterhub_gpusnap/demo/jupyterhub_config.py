@@ -6,6 +6,27 @@ c = get_config()  # noqa
 c.JupyterHub.bind_url = "http://127.0.0.1:@PORT@"
 c.JupyterHub.db_url = "sqlite:///@ROOT@/jupyterhub.sqlite"
 c.JupyterHub.cookie_secret_file = "@ROOT@/jupyterhub_cookie_secret"
+c.ConfigurableHTTPProxy.pid_file = "@ROOT@/jupyterhub-proxy.pid"
+
+# What a Hub shutdown (Ctrl-C) does to running servers: the demo stops them (JupyterHub's default),
+# so nothing keeps running once the demo is gone; suspended servers keep their checkpoints. A real
+# hub sets it to False, so that restarting the Hub leaves everyone's kernels alone (docs/install.md).
+c.JupyterHub.cleanup_servers = True
+
+# Keep the terminal readable: the gpusnap service lists the servers every 10 s and the Lab panel
+# polls too; their successful GETs of the Hub API are logged at DEBUG instead of INFO.
+from jupyterhub.log import access_log, log_request  # noqa: E402
+
+
+def log_request_quietly(handler):
+    if (handler.request.method == "GET" and handler.get_status() < 300
+            and handler.request.path.startswith("/hub/api/")):
+        access_log.debug("%d GET %s", handler.get_status(), handler.request.path)
+        return
+    log_request(handler)
+
+
+c.JupyterHub.tornado_settings = {"log_function": log_request_quietly}
 
 # Demo login: any user name, password "demo". Use your real authenticator in production.
 c.JupyterHub.authenticator_class = "dummy"
@@ -40,9 +61,12 @@ c.JupyterHub.services = [
         "info": {"description": "Where your notebook server stands: active, idle, suspended, restored."},
     }
 ]
+# "admin" (password "demo") is the demo's Hub admin and sees every server on /services/gpusnap/admin.
+c.Authenticator.admin_users = {"admin"}
 c.JupyterHub.load_roles = [
     service_role("gpusnap", email_from_auth_state=False),
     {"name": "user", "scopes": ["self", "access:services!service=gpusnap"]},
+    {"name": "gpusnap-admins", "scopes": ["custom:gpusnap:admin"], "users": ["admin"]},
 ]
 
 with open("@ROOT@/gpusnap_config.py", "w") as f:
