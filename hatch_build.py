@@ -53,7 +53,8 @@ def is_current() -> bool:
 
 
 def build(python: str = sys.executable) -> None:
-    """``npm ci`` (when node_modules is missing) and ``npm run build`` against ``python``'s JupyterLab."""
+    """``npm ci`` (when node_modules is missing or older than the lock file) and ``npm run build``
+    against ``python``'s JupyterLab."""
     npm = shutil.which("npm")
     if npm is None:
         raise RuntimeError(
@@ -61,7 +62,9 @@ def build(python: str = sys.executable) -> None:
             "or .ci/setup); a wheel built from an sdist needs neither"
         )
     env = dict(os.environ, PYTHON=python)
-    if not (SOURCE / "node_modules" / ".package-lock.json").exists():
+    installed = SOURCE / "node_modules" / ".package-lock.json"
+    lock = SOURCE / "package-lock.json"
+    if not installed.exists() or lock.stat().st_mtime > installed.stat().st_mtime:
         subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--silent"], cwd=SOURCE, env=env, check=True)
     # old hashed files would otherwise stay beside the new ones and ship in the wheel
     shutil.rmtree(BUNDLE / "static", ignore_errors=True)
