@@ -188,6 +188,16 @@ class GpuSnap(Application):
     gpu_threshold = Float(
         5.0, help="GPU SM utilisation (percent) above which the server counts as working. Memory held does not count."
     ).tag(config=True)
+    interaction_window = Float(
+        None,
+        allow_none=True,
+        help="Seconds after the user's last key, click or scroll in a visible JupyterLab tab during which "
+        "their server is not suspended, even when its kernels, CPU and GPU are quiet: someone reading or "
+        "scrolling through results is using the server. The Lab extension reports this interaction "
+        "(at most twice a minute, never from a hidden tab or an open tab nobody touches). "
+        "None (default): the same as idle_window. Lower it (e.g. 900) to let readers hold a GPU for less "
+        "time than a running kernel; 0 ignores interaction (only kernels, terminals, CPU and GPU count).",
+    ).tag(config=True)
     max_keep_running = Float(
         8 * 3600,
         help="The longest a user may keep their server running past the idle policy (keep-running-until), in seconds.",
@@ -218,7 +228,7 @@ class GpuSnap(Application):
             ]
 
         Keys: name, users (globs), groups, profiles, exempt, action, idle_window, park_window,
-        warn_before, min_running, cpu_threshold, gpu_threshold, max_keep_running.""",
+        warn_before, min_running, cpu_threshold, gpu_threshold, max_keep_running, interaction_window.""",
     ).tag(config=True)
 
     # -------------------------------------------------------------- the parts
@@ -277,6 +287,7 @@ class GpuSnap(Application):
                 "cpu_threshold": self.cpu_threshold,
                 "gpu_threshold": self.gpu_threshold,
                 "max_keep_running": self.max_keep_running,
+                "interaction_window": self.interaction_window,
             }
         )
 

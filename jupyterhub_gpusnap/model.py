@@ -84,6 +84,9 @@ class Sample:
     gpu_percent: float | None = None
     gpu_memory_bytes: int | None = None
     gpu_count: int | None = None
+    # the user's last key, click or scroll in a visible JupyterLab tab, as the Lab extension
+    # reported it (epoch seconds); its own signal, with its own window in the policy
+    last_interaction: float | None = None
     # Hub's last_activity (weak; counts browser heartbeats)
     hub_last_activity: float | None = None
     errors: dict[str, str] = field(default_factory=dict)  # signal name -> why it said nothing

@@ -12,16 +12,25 @@ alive forever. A sample without Jupyter data counts as active: never suspend on
 missing data. The idle clock runs from ``max(last_active, started, restored_at)``,
 so it restarts after a restore.
 
+User interaction (``Sample.last_interaction``: a key, click or scroll in a visible
+JupyterLab tab, reported by the Lab extension) is a signal of its own with its own
+window: a server is not suspended before ``last_interaction + interaction_window``,
+whatever the idle clock says, and "idle for" counts from the later of the two. A
+user reading their notebook without running a cell is not suspended under them;
+an open tab nobody touches reports nothing.
+
 Transitions made by :func:`decide` (``idle`` = seconds on the idle clock)::
 
     from                      condition                                   to          action
     any                       rule exempt or action "none"                exempt      unpark if parked
     suspending/suspended/     (owned by the service and the spawner)      unchanged   -
       restoring
-    any other                 active sample or keep_until in the future   active      unpark if parked
+    any other                 active sample, a new Lab interaction, or    active      unpark if parked
+                                keep_until in the future
     failed                    idle, within failure_backoff of failing     failed      -
     active/idle/warned/failed younger than min_running                    idle        -
-    (same)                    idle >= idle_window, warning given*         suspending  suspend (or stop)
+    (same)                    idle >= idle_window (and interaction_window suspending  suspend (or stop)
+                                after the last interaction), warning given*
     (same)                    idle >= idle_window - warn_before, no        warned      warn (once)
                                 warning given in this idle period
     (same)                    idle >= park_window, GPU memory held        parked      park (once)
@@ -106,6 +115,13 @@ class Rule:
     gpu_threshold: float = 5.0  # SM percent
     max_keep_running: float = 8 * 3600.0
     failure_backoff: float = 3600.0  # after a failed suspension, wait this long to retry
+    interaction_window: float | None = None  # seconds a Lab interaction holds off suspension; None: idle_window
+
+    @property
+    def interaction_seconds(self) -> float:
+        """How long after the user's last interaction in JupyterLab the server is not
+        suspended (0: interaction does not count)."""
+        return self.idle_window if self.interaction_window is None else self.interaction_window
 
     def _fail(self, key: str, problem: str, fix: str) -> None:
         raise ValueError(f"rule {self.name!r}: {key} {problem}{fix}")
@@ -131,6 +147,14 @@ class Rule:
                 what = "> 0" if key in positive else ">= 0"
                 unit = "percent" if key.endswith("threshold") else "seconds"
                 self._fail(key, f"must be a number of {unit} {what}, got {v!r}", _seconds_hint(v))
+        if self.interaction_window is not None and (
+            not _is_number(self.interaction_window) or self.interaction_window < 0
+        ):
+            self._fail(
+                "interaction_window",
+                f"must be a number of seconds >= 0 or null (= idle_window), got {self.interaction_window!r}",
+                _seconds_hint(self.interaction_window),
+            )
         if self.park_window is not None and (
             not _is_number(self.park_window) or self.park_window <= 0
         ):
@@ -228,9 +252,16 @@ def _activity(sample: Sample, rule: Rule, since: float) -> tuple[str, float] | N
         return f"cpu {sample.cpu_percent:.0f}% > {rule.cpu_threshold:g}%", sample.time
     last = sample.jupyter_last_activity
     if last is not None and last > since:
-        at = min(last, sample.time)
-        return f"kernel/terminal activity {_fmt_duration(sample.time - at)} ago", at
+        return "kernel/terminal activity", min(last, sample.time)
     return None
+
+
+def interaction(sample: Sample, rule: Rule) -> float | None:
+    """When the user last used JupyterLab, if ``rule`` counts it (epoch s), else None."""
+    touch = sample.last_interaction
+    if touch is None or rule.interaction_seconds <= 0:
+        return None
+    return min(touch, sample.time)
 
 
 def is_active(sample: Sample, rule: Rule, since: float) -> tuple[bool, str]:
@@ -281,6 +312,7 @@ class Decision:
     warn_at: float | None = None
     active: bool = False  # the sample (or a keep request) showed activity
     last_active: float = 0.0  # the status's new last_active
+    idle_since: float | None = None  # when the idle period began (last activity or interaction)
 
 
 def decide(status: ServerStatus, sample: Sample, rule: Rule, now: float) -> Decision:
@@ -292,12 +324,19 @@ def decide(status: ServerStatus, sample: Sample, rule: Rule, now: float) -> Deci
         return Decision(state, None, f"{state} (in progress elsewhere)", now - base,
                         last_active=status.last_active)  # fmt: skip
     found = _activity(sample, rule, since=status.last_active)
+    touch = interaction(sample, rule)
+    if not found and touch is not None:
+        seen = (status.last_sample or {}).get("last_interaction")
+        if seen is None or touch > seen:  # a new interaction: the user is here
+            found = ("JupyterLab in use", None)
     if status.keep_until is not None and status.keep_until > now:
         found = (f"kept running until {_fmt_time(status.keep_until)}", now)
-    last_active = max(status.last_active, min(found[1], now)) if found else status.last_active
+    moved = found is not None and found[1] is not None
+    last_active = max(status.last_active, min(found[1], now)) if moved else status.last_active
     base = max(last_active, status.started, status.restored_at or 0.0)
-    idle = max(now - base, 0.0)
-    common = {"idle_seconds": idle, "active": bool(found), "last_active": last_active}
+    start = max(base, touch or 0.0)  # the idle period starts at the latest sign of the user
+    idle = max(now - start, 0.0)
+    common = {"idle_seconds": idle, "active": bool(found), "last_active": last_active, "idle_since": start}
     if rule.exempt or rule.action == "none":
         why = "exempt" if rule.exempt else "action none"
         return Decision(State.exempt, unpark, f"rule {rule.name!r}: {why}", **common)
@@ -307,13 +346,16 @@ def decide(status: ServerStatus, sample: Sample, rule: Rule, now: float) -> Deci
         retry = _fmt_time(status.state_since + rule.failure_backoff)
         return Decision(State.failed, None, f"failed: {status.failure}; retry at {retry}", **common)
 
-    warn_at = base + rule.idle_window - rule.warn_before if rule.warn_before else None
-    park_at = base + rule.park_window if rule.park_window is not None else None
+    deadline = base + rule.idle_window
+    if touch is not None:
+        deadline = max(deadline, touch + rule.interaction_seconds)
+    warn_at = deadline - rule.warn_before if rule.warn_before else None
+    park_at = start + rule.park_window if rule.park_window is not None else None
     warned_at = status.warned_at
-    if warned_at is None or warned_at < base:  # a warning counts for this idle period only
+    if warned_at is None or warned_at < start:  # a warning counts for this idle period only
         warned_at = status.state_since if state == State.warned else None
     warned = warned_at is not None
-    suspend_at = base + rule.idle_window
+    suspend_at = deadline
     if warned and rule.warn_before:
         suspend_at = max(suspend_at, warned_at + rule.warn_before)
     elif rule.warn_before and now >= warn_at:  # the warning about to go out

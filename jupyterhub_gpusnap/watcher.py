@@ -24,6 +24,7 @@ from .model import Sample, Server, State
 from .policy import Decision, Policy, ServerStatus, step
 from .procs import tree_pids
 from .signals.base import SignalSource
+from .signals.interaction import InteractionLog
 from .store import Store
 
 # States in which a server is not running and the watcher keeps its record.
@@ -119,6 +120,7 @@ class Watcher(LoggingConfigurable):
         self.backend = backend
         self.notifier = notifier
         self.clock = clock
+        self.interactions = InteractionLog()  # pushed by the Lab extension (POST .../interaction)
         self.servers: dict[str, Server] = {}  # running servers seen by the last tick
         self.samples: dict[str, Sample] = {}
         self.decisions: dict[str, Decision] = {}
@@ -267,6 +269,9 @@ class Watcher(LoggingConfigurable):
             if status is None or key in self._inflight:
                 continue
             sample = samples[key]
+            touch = self.interactions.get(key, (status.last_sample or {}).get("last_interaction"))
+            if touch is not None:
+                sample.last_interaction = max(touch, sample.last_interaction or touch)
             # a keep-running or an exemption may have come in through the API meanwhile
             self._merge_keep(status)
             self.samples[key] = sample
@@ -374,6 +379,7 @@ class Watcher(LoggingConfigurable):
             self._gauges.pop(status.key, None)
             self._exported.pop(status.key, None)
             self.samples.pop(status.key, None)
+            self.interactions.forget(status.key)
             for source in self.sources:
                 forget = getattr(source, "forget", None)
                 if forget is not None and source.name == "cpu":
@@ -724,6 +730,22 @@ class Watcher(LoggingConfigurable):
             self.log.error("%s: %s email failed: %s", status.key, kind, e)
 
     # ------------------------------------------------------------ user requests
+    def record_interaction(self, key: str) -> float:
+        """The user used JupyterLab on ``key`` just now (the Lab extension said so); the
+        next tick puts it into the server's sample. Returns the time recorded."""
+        if key not in self.servers or self.store.get(key) is None:
+            raise KeyError(key)
+        return self.interactions.record(key, self.clock())
+
+    def clear_keep(self, status: ServerStatus, why: str) -> None:
+        """Drop a keep-running request (a manual "suspend now" ends it)."""
+        if status.keep_until is None:
+            return
+        status.keep_until = None
+        self.store.record_event(status.key, "keep", {"until": None, "reason": why})
+        self.store.put(status, now=True)
+        self.log.info("%s: keep-running ended (%s)", status.key, why)
+
     def request_keep(self, key: str, until: float) -> ServerStatus:
         status = self.store.get(key)
         if status is None:

@@ -47,7 +47,7 @@ def quiet(t: float, **kw) -> Sample:
         (dict(kernels_busy=3), True, "3 kernels busy"),
         (dict(cpu_percent=87.0), True, "cpu 87% > 10%"),
         (dict(gpu_percent=94.0), True, "gpu 94% > 5%"),
-        (dict(jupyter_last_activity=T0 + 988), True, "kernel/terminal activity 12s ago"),
+        (dict(jupyter_last_activity=T0 + 988), True, "kernel/terminal activity"),
         (dict(errors={"jupyter": "timeout"}), True, "no signal: jupyter (timeout)"),
         # GPU memory is not activity, nor the Hub's heartbeat-driven last_activity
         (dict(gpu_memory_bytes=8 * GIB, gpu_percent=1.0), False, "quiet (cpu 0%, gpu 1%)"),

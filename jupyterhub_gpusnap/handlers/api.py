@@ -22,6 +22,13 @@ def status_model(app, status, with_events: bool = True) -> dict:
     decision = watcher.decisions.get(status.key)
     server = watcher.servers.get(status.key)
     rule = app.policy.rule_for(server) if server else app.policy.default
+    now = time.time()
+    kept = status.keep_until is not None and status.keep_until > now
+    # while kept running (or exempt) nothing is scheduled: no countdown beside "kept running until"
+    suspend_at = decision.suspend_at if decision and not kept else None
+    touch = (status.last_sample or {}).get("last_interaction")
+    if status.state not in (State.suspending, State.suspended, State.restoring):
+        touch = app.watcher.interactions.get(status.key, touch)
     model = {
         "server": status.key,
         "user": status.user,
@@ -34,13 +41,17 @@ def status_model(app, status, with_events: bool = True) -> dict:
         "reason": status.reason,
         "last_active": iso(status.last_active),
         "idle_seconds": round(decision.idle_seconds, 1) if decision and decision.idle_seconds is not None else None,
-        "warn_at": iso(decision.suspend_at - rule.warn_before) if decision and decision.suspend_at and rule.warn_before else None,
-        "suspend_at": iso(decision.suspend_at) if decision else None,
+        "idle_since": iso(decision.idle_since) if decision and not decision.active else None,
+        "warn_at": iso(suspend_at - rule.warn_before) if suspend_at and rule.warn_before else None,
+        "suspend_at": iso(suspend_at),
         "park_at": iso(decision.park_at) if decision else None,
         "keep_until": iso(status.keep_until),
         "exempt": status.keep_until == EXEMPT_UNTIL or str(status.state) == "exempt",
         "max_keep_running": rule.max_keep_running,
         "idle_window": rule.idle_window,
+        "action": rule.action,
+        "last_interaction": iso(touch),
+        "interaction_window": rule.interaction_seconds,
         "restored_at": iso(status.restored_at),
         "checkpoint_id": status.checkpoint_id,
         "failure": status.failure,
@@ -156,10 +167,20 @@ class ServerActionHandler(ServerMixin, APIHandler):
             except ValueError as e:
                 raise web.HTTPError(400, str(e)) from None
             return self.write_json(status_model(app, status))
+        if action == "interaction":
+            if not self.owns(model, user):
+                raise web.HTTPError(403, "Only the server's owner reports their own interaction")
+            try:
+                app.watcher.record_interaction(status.key)
+            except KeyError:
+                raise web.HTTPError(409, f"{status.key} is {status.state}, not running") from None
+            return self.write_json(status_model(app, status, with_events=False))
         if action == "suspend":
             server: Server | None = app.watcher.servers.get(status.key)
             if server is None or status.state in (State.suspended, State.suspending, State.restoring):
                 raise web.HTTPError(409, f"{status.key} is {status.state}, not running: nothing to suspend")
+            if status.keep_until != EXEMPT_UNTIL:  # "suspend now" ends a keep-running, not an exemption
+                app.watcher.clear_keep(status, f"suspend requested by {model['name']}")
             app.watcher.start_suspend(server, plain_stop=(app.action == "stop"),
                                       reason=f"suspend requested by {model['name']}")
             return self.write_json(status_model(app, status), status=202)
