@@ -74,6 +74,47 @@ def keep_choices(max_seconds: float | None) -> list[tuple[int, str]]:
     return out
 
 
+#: The keep-running choice selected at first, on every page and in the Lab panel: 1 h (or less).
+DEFAULT_KEEP_SECONDS = 3600
+
+
+def default_keep(choices: list[tuple[int, str]]) -> int | None:
+    """The choice selected at first: the longest up to DEFAULT_KEEP_SECONDS, else the shortest."""
+    fit = [secs for secs, _ in choices if secs <= DEFAULT_KEEP_SECONDS]
+    return fit[-1] if fit else (choices[0][0] if choices else None)
+
+
+def state_words(s: dict) -> str:
+    """The State row of a server in plain words (the Lab panel says the same)."""
+    state = s["state"]
+    kept = s.get("keep_until") and not s.get("exempt")
+    if s.get("exempt"):
+        return "Exempt: never suspended."
+    if state == "active":
+        if kept:
+            return f"Active — kept running until {fmt_time(s['keep_until'])}."
+        return f"Active ({s['reason']})." if s.get("reason") else "Active."
+    if state in ("idle", "warned"):
+        since = fmt_time(s.get("idle_since") or s.get("last_active"))
+        if kept:
+            return f"Idle since {since} — kept running until {fmt_time(s['keep_until'])}."
+        warned = "; you were warned" if state == "warned" else ""
+        return f"Idle since {since}{warned}: nothing ran and nobody used it."
+    if state == "parked":
+        return f"Idle; its GPU memory waits in host RAM since {fmt_time(s['state_since'])}."
+    if state == "suspending":
+        return "Being suspended: its kernels are being saved to disk."
+    if state == "suspended":
+        if s.get("action") == "stop":
+            return f"Stopped at {fmt_time(s['state_since'])} to free the GPU."
+        return f"Suspended at {fmt_time(s['state_since'])} to free the GPU; your kernels are saved."
+    if state == "restoring":
+        return "Being restored from its snapshot."
+    if state == "failed":
+        return f"Suspending it failed ({s.get('failure') or s.get('reason')}); it keeps running."
+    return state
+
+
 def history(events: list[dict], limit: int = 8) -> list[dict]:
     """Suspensions and restores of one server, newest first, with size and restore time."""
     rows = []
@@ -140,6 +181,9 @@ class PageHandler(BaseHandler):
             fmt_bytes=fmt_bytes,
             fmt_time=fmt_time,
             keep_choices=keep_choices,
+            default_keep=default_keep,
+            state_words=state_words,
+            hub_prefix=self.hub_auth.hub_prefix,
             history=history,
             **ns,
         )

@@ -8,6 +8,8 @@ would keep an idle server alive forever.
 from __future__ import annotations
 
 import json
+import os
+from urllib.parse import quote
 
 from jupyter_server.base.handlers import APIHandler
 from tornado import web
@@ -102,6 +104,45 @@ class SuspendHandler(GpuSnapHandler):
         await self.relay("POST", "suspend", {})
 
 
+class InteractionHandler(GpuSnapHandler):
+    @authenticated
+    async def post(self) -> None:
+        """The user pressed a key, clicked or scrolled in a visible Lab tab (the Lab extension
+        sends this at most twice a minute): tell the service, which keeps a server in use
+        from being suspended (its own signal and window in the policy)."""
+        await self.relay("POST", "interaction", {})
+
+
+class ServiceHandler(GpuSnapHandler):
+    @authenticated
+    def get(self) -> None:
+        """Where the tab reaches the service directly, and with which token, once this server
+        is suspended and these handlers are gone with it: the Lab tab then still reads the
+        truth ("suspended at T, your kernels are saved") from the service.
+
+        The token is this server's own (JUPYTERHUB_API_TOKEN). It gives the browser nothing
+        new: every kernel and terminal of this server has it in its environment, and the
+        Lab already runs code in them. JupyterHub keeps it across a suspension (the spawner
+        resumes), and the service accepts it for this user's own servers only.
+        """
+        client = self.client
+        if client.server_key is None:
+            raise web.HTTPError(404, "This server is not running under JupyterHub: no gpusnap service")
+        base = os.environ.get("JUPYTERHUB_BASE_URL", "/")
+        base = base if base.endswith("/") else base + "/"
+        url = f"{base}services/{quote(client.service_name, safe='')}/{client.server_path()}"
+        self.finish(json.dumps({"url": url, "token": client.api_token, "server": client.server_key}))
+
+
+class BackHandler(GpuSnapHandler):
+    @authenticated
+    def get(self) -> None:
+        """Where a restore started from a Lab tab lands (the spawn's ``next``): a page that
+        says the server is back, loaded in the tab's hidden frame, not a second JupyterLab."""
+        self.set_header("Content-Type", "text/html; charset=utf-8")
+        self.finish("<!doctype html><title>Restored</title><p>Your server is back.</p>")
+
+
 def handlers(base_url: str) -> list[tuple[str, type]]:
     """Routes under the server's base_url."""
     base = base_url if base_url.endswith("/") else base_url + "/"
@@ -110,4 +151,7 @@ def handlers(base_url: str) -> list[tuple[str, type]]:
         (base + "gpusnap/autounpark", AutoUnparkHandler),
         (base + "gpusnap/keep", KeepHandler),
         (base + "gpusnap/suspend", SuspendHandler),
+        (base + "gpusnap/interaction", InteractionHandler),
+        (base + "gpusnap/service", ServiceHandler),
+        (base + "gpusnap/back", BackHandler),
     ]

@@ -42,6 +42,13 @@ export interface IStatus {
   exempt: boolean;
   max_keep_running: number | null;
   idle_window: number | null;
+  /** When the current idle period began (the later of the last activity and interaction). */
+  idle_since?: string | null;
+  /** What an idle server comes to: suspend (kernels saved), stop (kernels lost) or none. */
+  action?: string;
+  /** The user's last key, click or scroll in a visible Lab tab, as the service knows it. */
+  last_interaction?: string | null;
+  interaction_window?: number | null;
   restored_at: string | null;
   checkpoint_id: string | null;
   failure: string | null;
@@ -196,9 +203,9 @@ export function statusLine(status: IStatus | null, now: number, tz?: string): st
       return `parked: GPU memory in host RAM since ${formatClock(status.state_since, now, tz)}`;
     }
     case 'suspending':
-      return 'GPU snapshot: suspending…';
+      return 'GPU snapshot: suspending… saving your kernels';
     case 'suspended':
-      return 'GPU snapshot: suspended';
+      return `suspended at ${formatClock(status.state_since, now, tz)} — your kernels are saved`;
     case 'restoring':
       return 'GPU snapshot: restoring…';
     case 'failed':
@@ -237,6 +244,66 @@ export function keepChoices(maxSeconds: number | null | undefined): IChoice[] {
   const out = steps.filter(s => s < maxSeconds).map(s => ({ label: formatDuration(s), seconds: s }));
   out.push({ label: `${formatDuration(maxSeconds)} (the maximum)`, seconds: maxSeconds });
   return out;
+}
+
+/** The choice selected at first, here and on the service's pages: 1 h, or the maximum if shorter. */
+export const DEFAULT_KEEP_SECONDS = 3600;
+
+export function defaultKeep(choices: IChoice[]): number | null {
+  if (!choices.length) {
+    return null;
+  }
+  const fit = choices.filter(c => c.seconds <= DEFAULT_KEEP_SECONDS);
+  return (fit.length ? fit[fit.length - 1] : choices[0]).seconds;
+}
+
+/** Seconds idle now: from idle_since, moving between polls; else the service's last count. */
+export function idleSeconds(status: IStatus, now: number): number | null {
+  const since = ms(status.idle_since);
+  if (since !== null && ['idle', 'warned', 'parked'].includes(status.state)) {
+    return Math.max(0, (now - since) / 1000);
+  }
+  return status.idle_seconds;
+}
+
+/** The panel's "State" row in plain words; its times never contradict "Idle for". */
+export function stateWords(status: IStatus, now: number, tz?: string): string {
+  const keep = ms(status.keep_until);
+  const kept = keep !== null && keep > now;
+  switch (status.state) {
+    case 'active':
+      if (status.exempt) {
+        return 'active — exempt, never suspended';
+      }
+      if (kept) {
+        return `active — kept running until ${formatClock(status.keep_until, now, tz)}`;
+      }
+      return status.reason ? `active — ${status.reason}` : 'active';
+    case 'idle':
+    case 'warned': {
+      const since = formatClock(status.idle_since || status.last_active, now, tz);
+      const warned = status.state === 'warned' ? '; you were warned' : '';
+      return kept
+        ? `idle since ${since} — kept running until ${formatClock(status.keep_until, now, tz)}`
+        : `idle since ${since}${warned}`;
+    }
+    case 'parked':
+      return `idle, GPU memory parked in host RAM since ${formatClock(status.state_since, now, tz)}`;
+    case 'suspending':
+      return 'suspending — saving your kernels to disk';
+    case 'suspended':
+      return status.action === 'stop'
+        ? `stopped at ${formatClock(status.state_since, now, tz)} to free the GPU`
+        : `suspended at ${formatClock(status.state_since, now, tz)} to free the GPU; your kernels are saved`;
+    case 'restoring':
+      return 'restoring from the snapshot…';
+    case 'failed':
+      return `suspension failed (${status.failure || status.reason || 'see the history'}); the server keeps running`;
+    case 'exempt':
+      return 'exempt — never suspended';
+    default:
+      return status.state;
+  }
 }
 
 /** One row of the history table: suspensions and restores, newest first. */

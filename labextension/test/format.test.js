@@ -133,3 +133,28 @@ test('a parked server says "resuming…" while a cell brings its GPU memory back
   // a server extension without the field (older) still renders
   assert.equal(f.statusLine(parked, NOW, TZ), 'parked: GPU memory in host RAM since 14:02');
 });
+
+test('the state row says where the server stands in words, with times that agree with "Idle for"', () => {
+  const idle = status({ state: 'idle', idle_since: '2026-11-22T15:16:00Z', idle_seconds: 600, reason: 'kernel/terminal activity' });
+  assert.equal(f.stateWords(idle, NOW, TZ), 'idle since 15:16');
+  assert.equal(f.idleSeconds(idle, NOW), 12 * 60); // moves with the clock, not frozen at the last poll
+  assert.equal(
+    f.stateWords(status({ state: 'suspended', state_since: '2026-11-22T11:50:00Z', action: 'suspend' }), NOW, TZ),
+    'suspended at 11:50 to free the GPU; your kernels are saved'
+  );
+  assert.equal(
+    f.stateWords(status({ state: 'warned', idle_since: '2026-11-22T15:00:00Z', keep_until: '2026-11-22T18:00:00Z' }), NOW, TZ),
+    'idle since 15:00 — kept running until 18:00'
+  );
+  assert.equal(
+    f.statusLine(status({ state: 'suspended', state_since: '2026-11-22T11:50:00Z' }), NOW, TZ),
+    'suspended at 11:50 — your kernels are saved'
+  );
+});
+
+test('the keep choice selected at first is 1 h, as on the service pages', () => {
+  assert.equal(f.defaultKeep(f.keepChoices(28800)), 3600);
+  assert.equal(f.defaultKeep(f.keepChoices(7200)), 3600);
+  assert.equal(f.defaultKeep(f.keepChoices(1200)), 1200); // only the maximum
+  assert.equal(f.defaultKeep(f.keepChoices(0)), null);
+});
