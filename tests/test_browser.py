@@ -3,11 +3,17 @@
 Alice logs in through the Hub's login form, opens JupyterLab, and sees her server's idle countdown
 in the status bar; she keeps it running and suspends it from the panel. The user page, the keep
 link of the warning email and the admin page are used the same way, by clicking.
-Screenshots of the panel and pages go to docs/images/.
+A forgotten tab stays open through the warning and the suspension, says so, and restores the
+server in place; interaction in a tab counts as use, an untouched open tab does not.
+
+Screenshots go to each test's own temporary folder (pytest's ``tmp_path``, kept for the last
+three runs). ``GPUSNAP_UPDATE_SCREENSHOTS=1`` writes them to docs/images/ instead, to refresh
+the pictures the docs show; commit them only when the change is wanted.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -19,7 +25,21 @@ from test_serverext import spawner_environment, stop_recorded
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 
-IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
+DOC_IMAGES = Path(__file__).resolve().parent.parent / "docs" / "images"
+
+
+@pytest.fixture
+def images(tmp_path) -> Path:
+    """Where this test's screenshots go: docs/images/ only when asked (GPUSNAP_UPDATE_SCREENSHOTS=1)."""
+    folder = (
+        DOC_IMAGES
+        if os.environ.get("GPUSNAP_UPDATE_SCREENSHOTS") == "1"
+        else tmp_path / "screenshots"
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 CHROMIUM_ARGS = [
     "--no-sandbox",
     "--disable-gpu",
@@ -97,9 +117,8 @@ async def login(browser, hub, user: str):
     return context, page
 
 
-async def test_lab_panel_and_pages(setup):
+async def test_lab_panel_and_pages(setup, images):
     hub, service, browser = setup
-    IMAGES.mkdir(parents=True, exist_ok=True)
     context, lab = await login(browser, hub, "alice")
 
     # ---- the Lab status bar: idle, with the time it will be suspended
@@ -123,7 +142,7 @@ async def test_lab_panel_and_pages(setup):
     assert options == [1800, 3600, 7200], options  # within the admin's maximum of 2 h
 
     await lab.wait_for_timeout(1500)  # one more second of countdown, then the picture
-    await panel.screenshot(path=str(IMAGES / "panel.png"))
+    await panel.screenshot(path=str(images / "panel.png"))
 
     # ---- the user page shows the same countdown
     user_page = await context.new_page()
@@ -132,7 +151,7 @@ async def test_lab_panel_and_pages(setup):
     card = user_page.locator("section.server", has_text="alice/")
     await expect(card.locator(".countdown")).to_have_text(re.compile(r"^\d+:\d\d(:\d\d)?$"))
     await expect(card.locator(".badge")).to_have_text("idle")
-    await user_page.screenshot(path=str(IMAGES / "user-page.png"), full_page=True)
+    await user_page.screenshot(path=str(images / "user-page.png"), full_page=True)
 
     # ---- keep running for 1 h from the panel: the status bar says until when, the service agrees
     await lab.bring_to_front()
@@ -229,7 +248,7 @@ TEMPLATES = Path(__file__).resolve().parent.parent / "jupyterhub_gpusnap" / "tem
 
 
 @pytest.mark.criu
-async def test_suspend_from_the_panel_and_come_back_restored(hub_factory, tmp_path):
+async def test_suspend_from_the_panel_and_come_back_restored(hub_factory, tmp_path, images):
     """The Snap spawner and CRIU: suspend-now checkpoints the server; the return restores it,
     and the panel says so, with the snapshot's size and how long the restore took."""
     ckpt = tmp_path / "ckpt"
@@ -287,7 +306,7 @@ c.Spawner.default_url = "/lab"
         # the kernel came back with its variables
         _, out = await hub.execute("alice", "print(x + 1)", kernel_id=kernel)
         assert out.strip() == "43"
-        await panel.screenshot(path=str(IMAGES / "panel-restored.png"))
+        await panel.screenshot(path=str(images / "panel-restored.png"))
 
         # the admin page lists the snapshot
         _, admin = await login(browser, hub, "ada")
@@ -300,6 +319,185 @@ c.Spawner.default_url = "/lab"
         row = admin.locator("tr[data-server='alice/']")
         await expect(row.locator("td").nth(6)).to_have_text(re.compile(r"^\d+(\.\d)? [KMG]iB"))
         await expect(admin.locator(".stats")).to_contain_text("1 snapshots")
-        await admin.screenshot(path=str(IMAGES / "admin-page.png"), full_page=True)
+        await admin.screenshot(path=str(images / "admin-page.png"), full_page=True)
+        await browser.close()
+    await service.stop()
+
+
+NOTEBOOK = {
+    "cells": [{"cell_type": "code", "execution_count": None, "id": "c1", "metadata": {},
+               "outputs": [], "source": "x"}],
+    "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"}},
+    "nbformat": 4,
+    "nbformat_minor": 5,
+}  # fmt: skip
+
+
+async def open_notebook_with_kernel(hub, user: str, path: str, code: str) -> str:
+    """A notebook with one cell (``x``) and a running kernel of its own session that ran ``code``."""
+    status, _ = await hub.user_request(user, f"api/contents/{path}", "PUT",
+                                       {"type": "notebook", "format": "json", "content": NOTEBOOK})  # fmt: skip
+    assert status in (200, 201), status
+    status, session = await hub.user_request(user, "api/sessions", "POST", {
+        "path": path, "name": path, "type": "notebook", "kernel": {"name": "python3"}})  # fmt: skip
+    assert status == 201, (status, session)
+    kernel = session["kernel"]["id"]
+    await hub.execute(user, code, kernel_id=kernel)
+    return kernel
+
+
+async def session_kernel(hub, user: str, path: str) -> str | None:
+    status, sessions = await hub.user_request(user, "api/sessions")
+    assert status == 200, status
+    return next((s["kernel"]["id"] for s in sessions if s["path"] == path), None)
+
+
+@pytest.mark.criu
+async def test_a_forgotten_tab_says_suspended_and_restores_in_place(hub_factory, tmp_path, images):
+    """Alice leaves a notebook open and walks away. The untouched tab stays open through the
+    warning and the suspension; it then says that the server was suspended to free the GPU and
+    that her kernels are saved (not JupyterLab's "Server unavailable… Restart?"), and its
+    Restore brings the server back in this very tab: the same notebook, reconnected to the same
+    kernel, answers ``x`` with 42, without a reload and without a second tab."""
+    ckpt = tmp_path / "ckpt"
+    backend = f"c.LocalBackend.checkpoint_dir = {str(ckpt)!r}\nc.LocalBackend.min_free_bytes = 0\n"
+    settings = SETTINGS.replace('"stop"', '"suspend"').replace(
+        "idle_window = 1800", "idle_window = 40"
+    )
+    settings = settings.replace("warn_before = 300", "warn_before = 20")
+    service = GpuSnapService(tmp_path / "gpusnap", settings + backend)
+    hub = await hub_factory(
+        hub_config(service, tmp_path)
+        + backend
+        + f"""
+c.JupyterHub.spawner_class = "jupyterhub_gpusnap.spawner.SnapSimpleLocalProcessSpawner"
+c.SnapSimpleLocalProcessSpawner.restore_timeout = 90
+c.JupyterHub.template_paths = [{str(TEMPLATES)!r}]
+"""
+    )
+    await hub.start_server("alice")
+    kernel = await open_notebook_with_kernel(hub, "alice", "forgotten.ipynb", "x = 6 * 7")
+    await service.start(hub)
+    await service.wait_for(lambda: service.server_status("alice/"), what="alice watched")
+
+    async def state_is(*states):
+        s = await service.server_status("alice/")
+        return s if s and s["state"] in states else None
+
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        context, lab = await login(browser, hub, "alice")
+        navigations = []
+        lab.on(
+            "framenavigated", lambda f: navigations.append(f.url) if f == lab.main_frame else None
+        )
+        await lab.goto(hub.server_url("alice") + "lab/tree/forgotten.ipynb")
+        item = lab.locator(STATUS)
+        cell = lab.locator(".jp-Notebook .jp-Cell").first
+        await expect(cell).to_be_visible(timeout=90_000)
+        await lab.evaluate("window.gpusnapSameDocument = 'yes'")  # gone if the tab reloads
+        loads = len(navigations)
+
+        # ---- the warning, in the untouched tab; nothing was reported as interaction
+        warned = await service.wait_for(lambda: state_is("warned"), timeout=120, what="the warning")
+        assert warned["last_interaction"] is None, warned
+        await expect(item).to_have_text(re.compile(r"^idle \d+ (s|min) — suspends at \d\d:\d\d$"))
+        await lab.screenshot(path=str(images / "forgotten-tab-1-warned.png"))
+
+        # ---- the suspension: the tab says what happened and offers Restore
+        suspended = await service.wait_for(
+            lambda: state_is("suspended"), timeout=180, what="the suspension"
+        )
+        assert await hub.get_server("alice") is None
+        dialog = lab.locator(".jp-Dialog")
+        await expect(dialog).to_contain_text("Your server is suspended", timeout=60_000)
+        await expect(dialog).to_contain_text(
+            re.compile(r"suspended at \d\d:\d\d to free the GPU; your kernels are saved")
+        )
+        await expect(lab.get_by_text("Server unavailable or unreachable")).to_have_count(0)
+        await expect(item).to_have_text(
+            re.compile(r"^suspended at \d\d:\d\d — your kernels are saved$")
+        )
+        assert "suspends at" not in await item.inner_text()
+        await lab.screenshot(path=str(images / "forgotten-tab-2-suspended.png"))
+
+        # ---- Restore, from the tab
+        await dialog.get_by_role("button", name="Restore").click()
+        await expect(item).to_have_text(
+            re.compile(r"^restored from snapshot of \d\d:\d\d$"), timeout=180_000
+        )
+        assert (await service.server_status("alice/"))["restored_at"] is not None
+        assert suspended["checkpoint_id"]
+
+        # ---- the same notebook, reconnected to the same kernel, answers x
+        await cell.click()
+        await lab.keyboard.press("Shift+Enter")
+        await expect(cell.locator(".jp-OutputArea-output")).to_have_text("42", timeout=60_000)
+        assert await session_kernel(hub, "alice", "forgotten.ipynb") == kernel
+        assert await lab.evaluate("window.gpusnapSameDocument") == "yes"  # no reload
+        assert len(navigations) == loads, navigations[loads:]
+        assert context.pages == [lab]  # no second tab
+        await lab.screenshot(path=str(images / "forgotten-tab-3-restored.png"))
+        await browser.close()
+    await service.stop()
+
+
+async def test_interaction_in_the_tab_counts_and_an_untouched_tab_does_not(hub_factory, tmp_path):
+    """Keys, clicks and wheel scrolling in a visible Lab tab reach the service as interaction,
+    which holds off the suspension for interaction_window; an open tab nobody touches, and
+    events a script makes, report nothing."""
+    settings = SETTINGS + "c.GpuSnap.interaction_window = 1200\n"
+    service = GpuSnapService(tmp_path / "gpusnap", settings)
+    hub = await hub_factory(hub_config(service, tmp_path))
+    await hub.start_server("alice")
+    await service.start(hub)
+    await service.wait_for(lambda: service.server_status("alice/"), what="alice watched")
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
+        context, lab = await login(browser, hub, "alice")
+        await lab.goto(hub.server_url("alice") + "lab")
+        item = lab.locator(STATUS)
+        await expect(item).to_have_text(
+            re.compile(r"^idle \d+ (s|min) — suspends at"), timeout=90_000
+        )
+
+        # untouched, and a script's events: the service keeps counting the tab as idle
+        await lab.evaluate("""() => {
+            for (const type of ['keydown', 'pointerdown', 'wheel']) {
+                document.body.dispatchEvent(new Event(type, {bubbles: true}));
+            }
+        }""")
+
+        async def idle_a_while():
+            s = await service.server_status("alice/")
+            return s if s["state"] == "idle" and s["idle_seconds"] >= 8 else None
+
+        untouched = await service.wait_for(
+            idle_a_while, what="ticks with the tab open and untouched"
+        )
+        assert untouched["last_interaction"] is None, untouched
+        quiet_since = untouched["idle_since"]
+
+        # a real click and key in the tab: the service hears of it, and the deadline moves
+        await lab.locator(".jp-LauncherCard").first.hover()
+        await lab.mouse.wheel(0, 200)
+        await lab.keyboard.press("Escape")
+
+        async def touched():
+            s = await service.server_status("alice/")
+            return s if s["last_interaction"] else None
+
+        used = await service.wait_for(touched, what="the interaction to reach the service")
+
+        async def moved():
+            s = await service.server_status("alice/")
+            return (
+                s if s["idle_since"] and s["idle_since"] > quiet_since and s["suspend_at"] else None
+            )
+
+        after = await service.wait_for(moved, what="the idle clock to restart at the interaction")
+        assert after["idle_since"] == after["last_interaction"] == used["last_interaction"], after
+        events = [e for e in after["events"] if e["kind"] == "state"]
+        assert any(e["detail"]["reason"] == "JupyterLab in use" for e in events), events
         await browser.close()
     await service.stop()
