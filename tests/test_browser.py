@@ -291,6 +291,19 @@ c.Spawner.default_url = "/lab"
         )
         assert await hub.get_server("alice") is None
 
+        # the Hub's home page and the service's page say so, in plain words, and offer Restore
+        await lab.goto(hub.url + "hub/home")
+        await expect(lab.locator("#gpusnap-suspended")).to_contain_text("Your kernels, their variables")
+        await expect(lab.locator("#start")).to_have_text("Restore My Server")
+        await lab.goto(hub.url + "services/gpusnap/")
+        card = lab.locator("section.server", has_text="alice/")
+        await expect(card.locator(".state-words")).to_have_text(
+            re.compile(r"^Suspended at .+ to free the GPU; your kernels are saved\.$")
+        )
+        await expect(card.get_by_role("button", name="Restore")).to_have_attribute(
+            "href", "/hub/spawn/alice"
+        )
+
         # the return: the Hub's spawn restores the snapshot, and Lab opens again
         await lab.goto(hub.url + "hub/spawn?next=" + "/user/alice/lab")
         await lab.wait_for_url(re.compile(r"/user/alice/lab"), timeout=120_000)
