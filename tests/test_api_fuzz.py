@@ -127,6 +127,8 @@ def test_openapi_operations_are_all_fuzzed():
         "POST /api/servers/{user}/{name}/keep",
         "POST /api/servers/{user}/suspend",
         "POST /api/servers/{user}/{name}/suspend",
+        "POST /api/servers/{user}/interaction",
+        "POST /api/servers/{user}/{name}/interaction",
         "POST /api/servers/{user}/exempt",
         "POST /api/servers/{user}/{name}/exempt",
         "GET /api/events",
