@@ -15,11 +15,12 @@ waited for, and only then its old API token is taken back. When a restore fails 
 checkpoint is marked ``failed`` (kept for diagnosis), the old token is revoked, a fresh
 server starts, and the progress page and the log say why.
 
-Each server runs in its own PID namespace (``unshare --pid --fork``) so that restores
-never collide with PIDs still held on the host, with its output in its own log file
-(``<checkpoint_dir>/<user>/<server>/server.log``): CRIU refuses to restore a process
-whose open log file changed size, which a log shared with the Hub always does.
-Ports of suspended servers are never handed to fresh servers.
+Each server runs in the sandbox of :mod:`jupyterhub_gpusnap.sandbox`: its own PID and
+mount namespace with its own ``/proc`` (which both CUDA and CRIU need), a tiny init that
+passes stop signals on, the user switched inside, and its output in its own log file
+(``<checkpoint_dir>/<user>/<server>/server.log``, opened inside the namespace): CRIU
+refuses to restore a process whose open log file changed size, which a log shared with
+the Hub always does. Ports of suspended servers are never handed to fresh servers.
 """
 
 from __future__ import annotations
@@ -39,15 +40,10 @@ from jupyterhub.utils import random_port
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from traitlets import Bool, Dict, Float, Instance, Type, Unicode, default
 
-from .checkpoint.base import CheckpointBackend, CheckpointError, CheckpointInfo
+from . import sandbox
+from .checkpoint.base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
 from .checkpoint.local import LocalBackend, encode_name, is_alive
 
-# Runs as the namespace's init just before the server: stdio to the server's own log.
-LAUNCHER = (
-    "import os, sys; fd = int(sys.argv[1]); null = os.open(os.devnull, os.O_RDONLY); "
-    "os.dup2(null, 0); os.dup2(fd, 1); os.dup2(fd, 2); os.close(fd); os.close(null); "
-    "os.execvp(sys.argv[2], sys.argv[2:])"
-)
 STATE_KEY = "gpusnap"
 
 
@@ -95,12 +91,6 @@ class SnapSpawnerMixin(LocalProcessSpawner):
         written (its checkpoint in state 'writing'). After that the start or stop fails (and
         can be retried): it never kills processes CRIU is dumping, nor starts a second server
         beside them. Keep it above the time a dump takes (about 1 s per GiB of memory).""",
-    ).tag(config=True)
-
-    pid_namespace = Bool(
-        True,
-        help="""Run each server in its own PID namespace (unshare --pid --fork). Needed for
-        reliable restores: CRIU restores the same PIDs, which on the host may still be taken.""",
     ).tag(config=True)
 
     server_log_template = Unicode(
@@ -187,23 +177,24 @@ class SnapSpawnerMixin(LocalProcessSpawner):
             status = 0
         else:
             status = await super().poll()
-        if status is not None and pid:
-            await self._note_suspension(pid, token)
+        if status is not None and pid and await self._note_suspension(pid, token):
+            status = 0  # ended on purpose, by a verified checkpoint: not a crash
         return status
 
-    async def _note_suspension(self, pid: int, token: str = "") -> None:
-        """If the processes ended because they were checkpointed, keep what a restore needs."""
+    async def _note_suspension(self, pid: int, token: str = "") -> bool:
+        """If the processes ended because they were checkpointed, keep what a restore needs
+        (and say True)."""
         try:
             info = await self.backend.latest(self.user.name, self.name)
         except Exception as e:
             self.log.warning("%s: cannot read checkpoints: %s", self.server_key, e)
-            return
+            return False
         if info is None:
-            return
+            return False
         started = self.orm_spawner.started if self.orm_spawner is not None else None
         started_ts = started.replace(tzinfo=timezone.utc).timestamp() if started else None
         if info.extra.get("pid") != pid and not (started_ts and info.created >= started_ts):
-            return
+            return False
         self.snapshot = {
             "id": info.id,
             "ip": info.extra.get("ip") or self.ip or "127.0.0.1",
@@ -225,6 +216,7 @@ class SnapSpawnerMixin(LocalProcessSpawner):
             "%s: suspended (checkpoint %s); it will be restored on the next start",
             self.server_key, info.id,
         )  # fmt: skip
+        return True
 
     async def stop(self, now: bool = False) -> None:
         """Stop the server; if a suspension of it is being written, wait for that first."""
@@ -268,6 +260,11 @@ class SnapSpawnerMixin(LocalProcessSpawner):
                 if info is not None:
                     try:
                         return await self._restore(info)
+                    except CheckpointRefused as e:
+                        # not now (its port still taken…): the spawn fails, the snapshot
+                        # stays verified and the next start tries again
+                        self.log.warning("%s: restore not possible yet: %s", self.server_key, e)
+                        raise
                     except Exception as e:
                         await self._restore_failed(info, e)
             self.snapshot = {}
@@ -476,20 +473,33 @@ class SnapSpawnerMixin(LocalProcessSpawner):
             checkpoint_dir=root, user=encode_name(self.user.name), server=encode_name(self.name)
         )
 
-    def wrap_cmd(self, cmd: list[str], log_fd: int) -> list[str]:
-        """The command line that runs ``cmd`` in its own PID namespace and session.
+    def sandbox_user(self) -> str | None:
+        """The system user the server runs as inside the sandbox (None: the Hub's own user)."""
+        return None
 
-        A tiny launcher points the server's stdin at /dev/null and its stdout/stderr at
-        ``log_fd`` (the server's own log) just before exec: unshare itself keeps the Hub's
-        output, so the server's log changes only while the server runs.
-        """
-        prefix = ["unshare", "--pid", "--fork"] if self.pid_namespace else []
-        launch = [sys.executable, "-c", LAUNCHER, str(log_fd)]
-        return prefix + ["setsid"] + self.privilege_drop() + launch + cmd
-
-    def privilege_drop(self) -> list[str]:
-        """Command prefix that switches to the user inside the namespace ([] as root)."""
-        return []
+    def server_command(self, env: dict) -> list[str]:
+        """``cmd + args`` with the single-user command found: on the server's PATH, else
+        next to the Hub's Python (where ``pip install jupyterhub`` put it; that folder is
+        then put first on the server's PATH too). A clear error if it is in neither."""
+        cmd = list(self.cmd) + self.get_args()
+        exe = cmd[0]
+        path = env.get("PATH", os.defpath)
+        found = shutil.which(exe, path=path)
+        if found is None:
+            here = os.path.dirname(sys.executable)
+            found = shutil.which(exe, path=here)
+            if found is None:
+                raise RuntimeError(
+                    f"{self.server_key}: the server command {exe!r} is neither on the server's "
+                    f"PATH ({path}) nor next to the Hub's Python ({here}): install jupyterhub "
+                    "there (it provides jupyterhub-singleuser), or set c.Spawner.cmd to the "
+                    "command's absolute path"
+                )
+            env["PATH"] = here + os.pathsep + path
+        cmd[0] = found
+        if self.shell_cmd:
+            cmd = self.shell_cmd + [" ".join(shlex.quote(s) for s in cmd)]
+        return cmd
 
     async def _start_fresh(self):
         reserved = self._reserved_ports()
@@ -498,33 +508,22 @@ class SnapSpawnerMixin(LocalProcessSpawner):
             while port in reserved:
                 port = random_port()
             self.port = port
-        cmd = list(self.cmd) + self.get_args()
-        if self.shell_cmd:
-            cmd = self.shell_cmd + [" ".join(shlex.quote(s) for s in cmd)]
         env = self.get_env()
+        cmd = self.server_command(env)
         log_path = self.server_log_path()
         os.makedirs(os.path.dirname(log_path), mode=0o700, exist_ok=True)
-        log_fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        full = self.wrap_cmd(cmd, log_fd)
+        full = sandbox.command(cmd, log_path, user=self.sandbox_user())
         self.log.info("%s: spawning %s", self.server_key, " ".join(shlex.quote(s) for s in full))
-        popen_kwargs = dict(
-            preexec_fn=self.make_preexec_fn(self.user.name),
-            start_new_session=True,
-            pass_fds=(log_fd,),
-        )
+        popen_kwargs = dict(preexec_fn=self.make_preexec_fn(self.user.name), start_new_session=True)
         popen_kwargs.update(self.popen_kwargs)
         popen_kwargs["env"] = env
-        try:
-            self.proc = Popen(full, **popen_kwargs)
-        finally:
-            os.close(log_fd)
-        self.pid = self.proc.pid
-        if self.pid_namespace:
-            self.pid = await self._namespace_init(self.proc)
+        self.proc = Popen(full, **popen_kwargs)
+        self.pid = await self._namespace_init(self.proc)
         return (self.ip or "127.0.0.1", self.port)
 
     async def _namespace_init(self, proc: Popen, timeout: float = 10) -> int:
-        """The host pid of the namespace's init (the server), the child of unshare."""
+        """The host pid of the sandbox's init (the root of the tree CRIU dumps): the
+        launcher's only child."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
@@ -534,9 +533,12 @@ class SnapSpawnerMixin(LocalProcessSpawner):
             if children:
                 return children[0].pid
             if proc.poll() is not None:
-                raise RuntimeError(f"{self.server_key}: unshare exited with {proc.returncode}")
+                raise RuntimeError(
+                    f"{self.server_key}: the server's sandbox exited with {proc.returncode} "
+                    f"before it started (see the Hub's log and {self.server_log_path()})"
+                )
             await asyncio.sleep(0.01)
-        raise RuntimeError(f"{self.server_key}: no server process under unshare after {timeout}s")
+        raise RuntimeError(f"{self.server_key}: no server sandbox after {timeout}s")
 
     # ------------------------------------------------------------------ progress
     async def progress(self):
@@ -554,9 +556,9 @@ class SnapSpawnerMixin(LocalProcessSpawner):
 class SnapLocalProcessSpawner(SnapSpawnerMixin, LocalProcessSpawner):
     """LocalProcessSpawner with suspend/restore: servers run as their system users.
 
-    The Hub runs as root; each server starts in its own PID namespace and drops to
-    the user with ``setpriv`` inside it (unshare needs root, so the switch happens
-    after it rather than in Popen's preexec).
+    The Hub runs as root; each server's sandbox is made as root and the server drops to
+    its user inside it (the namespaces and ``/proc`` need root, so the switch happens
+    there rather than in Popen's preexec).
     """
 
     def make_preexec_fn(self, name):
@@ -572,12 +574,8 @@ class SnapLocalProcessSpawner(SnapSpawnerMixin, LocalProcessSpawner):
 
         return preexec
 
-    def privilege_drop(self) -> list[str]:
-        import pwd
-
-        pw = pwd.getpwnam(self.user.name)
-        setpriv = shutil.which("setpriv") or "setpriv"
-        return [setpriv, f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups", "--"]
+    def sandbox_user(self) -> str | None:
+        return self.user.name
 
 
 class SnapSimpleLocalProcessSpawner(SnapSpawnerMixin, SimpleLocalProcessSpawner):

@@ -307,3 +307,49 @@ def read_pidfile(pidfile: Path) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
+
+CAP_SYS_RESOURCE = 24
+
+
+def _ids(pid: int | str) -> tuple[set[str], set[str], int]:
+    """(uids, gids, effective capabilities) of a process, from /proc/<pid>/status."""
+    uids: set[str] = set()
+    gids: set[str] = set()
+    caps = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key == "Uid":
+                uids = set(value.split()[:3])
+            elif key == "Gid":
+                gids = set(value.split()[:3])
+            elif key == "CapEff":
+                caps = int(value.strip(), 16)
+    return uids, gids, caps
+
+
+def limits_unreadable(pids: list[int]) -> str:
+    """Why CRIU (run by this process) cannot dump ``pids``, or ''.
+
+    CRIU reads every process's resource limits (prlimit), which the kernel allows for a
+    process of another user only with CAP_SYS_RESOURCE. Hosts give root that capability;
+    some containers drop it, and then only servers running as root can be checkpointed.
+    """
+    my_uids, my_gids, caps = _ids("self")
+    if caps >> CAP_SYS_RESOURCE & 1:
+        return ""
+    for pid in pids:
+        try:
+            uids, gids, _ = _ids(pid)
+        except OSError:
+            continue
+        if uids != my_uids or gids != my_gids:
+            return (
+                f"process {pid} runs as uid {'/'.join(sorted(uids))}, and CRIU cannot read the "
+                "resource limits of another user's process without CAP_SYS_RESOURCE, which this "
+                "service lacks (its container or unit drops it): give the service and the Hub "
+                "CAP_SYS_RESOURCE (docker/podman: --cap-add SYS_RESOURCE; systemd: "
+                "CapabilityBoundingSet), or run servers as root"
+            )
+    return ""

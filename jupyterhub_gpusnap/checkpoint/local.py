@@ -40,6 +40,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -50,8 +51,9 @@ from urllib.parse import quote, unquote
 import psutil
 from traitlets import Bool, Enum, Float, Integer, List, TraitError, Unicode, validate
 
+from .. import sandbox
 from ..model import Server, server_key
-from ..procs import tree_pids  # noqa: F401  (re-exported)
+from ..procs import boot_clock, started_since, tree_pids
 from . import criu
 from .base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
 from .chunks import PAGE, STORE, ChunkStore, Follower
@@ -117,16 +119,39 @@ def environ_of(pid: int, name: str) -> str:
 
 
 def listen_address(pid: int) -> tuple[str, int]:
-    """The (ip, port) the process ``pid`` itself listens on (a Jupyter server: its HTTP port)."""
-    try:
-        conns = psutil.Process(pid).net_connections(kind="tcp")
-    except psutil.Error:
-        return "", 0
-    listening = sorted((c.laddr.port, c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN)
-    if not listening:
-        return "", 0
-    port, ip = listening[0]
-    return ip, port
+    """The (ip, port) the server in the tree of ``pid`` listens on: the first process,
+    root first and then by depth, that listens (the sandbox's init never does, the
+    Jupyter server does before its kernels)."""
+    for p in tree_pids(pid):
+        try:
+            conns = psutil.Process(p).net_connections(kind="tcp")
+        except psutil.Error:
+            continue
+        listening = sorted(
+            (c.laddr.port, c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN
+        )
+        if listening:
+            port, ip = listening[0]
+            return ip, port
+    return "", 0
+
+
+def port_holder(ip: str, port: int) -> str | None:
+    """None if ``ip:port`` can be listened on now, else who holds it ("pid N (name)")."""
+    ip = ip if ip not in ("", "0.0.0.0") else "127.0.0.1"
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((ip, port))
+            return None
+        except OSError:
+            pass
+    with contextlib.suppress(psutil.Error, OSError):
+        for c in psutil.net_connections(kind="tcp"):
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+                return f"pid {c.pid} ({psutil.Process(c.pid).name()})"
+    return "another process"
 
 
 class LocalBackend(CheckpointBackend):
@@ -194,6 +219,14 @@ class LocalBackend(CheckpointBackend):
     restore_extra_args = List(Unicode(), help="Extra arguments for every 'criu restore'.").tag(
         config=True
     )
+
+    port_wait_timeout = Float(
+        30.0,
+        help="""Seconds a restore waits for the suspended server's old processes to be gone
+        and its port to be free again (a server holding much memory takes seconds to exit).
+        If the port is still taken then, the spawn fails naming the process that holds it,
+        and the snapshot stays restorable: stop that process and start the server again.""",
+    ).tag(config=True)
 
     dump_timeout = Float(
         1800.0,
@@ -546,6 +579,9 @@ class LocalBackend(CheckpointBackend):
                 retry=True,
             )
         pids = tree_pids(pid)
+        why = "; ".join(sandbox.unreachable_files(pids)[:3]) or criu.limits_unreadable(pids)
+        if why:
+            raise CheckpointRefused(f"{server.key}: cannot be checkpointed: {why}")
         rss = 0
         for p in pids:
             try:
@@ -624,6 +660,8 @@ class LocalBackend(CheckpointBackend):
             driver_version=inv.get("driver_version", ""),
         )
         m.extra["tree"] = pids
+        m.extra["started"] = boot_clock()  # processes older than this are the suspended server
+        m.extra["mount_namespace"] = sandbox.own_mount_namespace(pid)
         m.extra["gpu_devices"] = list(inv.get("gpu_devices", []))
         cuda = self.cuda()
         # Not fsync'ed: it must outlive a crash of the service (recover() then resumes the
@@ -675,7 +713,7 @@ class LocalBackend(CheckpointBackend):
                     criu=self.criu_path,
                     tcp=self.tcp_mode,
                     leave_stopped=True,
-                    extra=self.dump_extra_args,
+                    extra=[*sandbox.dump_args(pid), *self.dump_extra_args],
                     timeout=self.dump_timeout,
                 )
             m.dump_seconds = round(time.monotonic() - t1, 3)
@@ -1050,6 +1088,7 @@ class LocalBackend(CheckpointBackend):
         if adopted is not None:
             return adopted
         await self._require_criu()
+        await self._wait_for_old_server(m, key)
         if m.cuda_pids and self.cuda() is not None:
             try:
                 here = await asyncio.to_thread(self.cuda().gpu_inventory)
@@ -1148,18 +1187,16 @@ class LocalBackend(CheckpointBackend):
 
         A restore whose caller died (the Hub killed after CRIU started) leaves CRIU to finish
         on its own: the tree runs, nobody knows it, and restoring again would clash with it.
-        If ``restore.pid`` names a live process started after the checkpoint and listening on
-        the checkpoint's port, it is that server: it is checked like any restore (every
-        checksum; its GPU memory resumed) and handed out instead of a second copy.
+        If ``restore.pid`` names a live process started since that restore began (both on
+        the kernel's boot clock, exact to a clock tick) and listening on the checkpoint's
+        port, it is that server: it is checked like any restore (every checksum; its GPU
+        memory resumed) and handed out instead of a second copy.
         """
         pid = criu.read_pidfile(folder / "restore.pid")
         if not pid or not is_alive(pid):
             return None
-        try:
-            if psutil.Process(pid).create_time() < m.created:
-                return None  # the pid was reused by something older
-        except psutil.Error:
-            return None
+        if started_since(pid, m.extra.get("restore_started")) is not True:
+            return None  # the pid was reused by something older, or by another boot
         if listen_address(pid)[1] != m.port:
             return None
         self.log.warning("%s: adopting pid %s, left running by an interrupted restore of %s", key, pid, cid)
@@ -1182,6 +1219,31 @@ class LocalBackend(CheckpointBackend):
         m.extra["adopted"] = True
         m.save(folder)
         return pid, m.ip, m.port
+
+    async def _wait_for_old_server(self, m: Manifest, key: str) -> None:
+        """Wait until the suspended server's old processes are gone and its port is free
+        (at most ``port_wait_timeout``); else refuse, the checkpoint left verified."""
+        deadline = time.monotonic() + self.port_wait_timeout
+        stamp = m.extra.get("started")
+        while True:
+            old = [
+                p for p in (m.extra.get("tree") or [])
+                if is_alive(p) and started_since(p, stamp) is False
+            ]  # fmt: skip
+            holder = port_holder(m.ip, m.port) if m.port else None
+            if not old and holder is None:
+                return
+            if time.monotonic() > deadline:
+                what = (
+                    f"port {m.port}, which the suspended server listens on, is taken by {holder}"
+                    if holder
+                    else f"its old processes {old} are still exiting"
+                )
+                raise CheckpointRefused(
+                    f"{key}: cannot restore yet: {what} after {self.port_wait_timeout:g}s. The "
+                    "snapshot is kept; stop that process (or wait) and start the server again"
+                )
+            await asyncio.sleep(0.1)
 
     def _staging(self, folder: Path, nbytes: int, key: str) -> Path:
         """Where a chunk image is unpacked for CRIU: a new root-only folder in
@@ -1248,6 +1310,8 @@ class LocalBackend(CheckpointBackend):
         """criu restore (from ``images``; through ``streamer``'s socket when given) + GPU
         restore of a checked image (the second half of :meth:`restore`)."""
         phases = {"prepare_s": round(time.time() - restore_started, 3)}
+        m.extra["restore_started"] = boot_clock()  # what _adopt recognises this restore by
+        m.save(folder)
         t = time.monotonic()
         try:
             restored = await criu.restore(
@@ -1256,7 +1320,11 @@ class LocalBackend(CheckpointBackend):
                 criu=self.criu_path,
                 tcp=m.tcp_mode,
                 shell_job=m.shell_job,
-                extra=[*self.restore_extra_args, *(["--stream"] if streamer else [])],
+                extra=[
+                    *sandbox.restore_args(bool(m.extra.get("mount_namespace"))),
+                    *self.restore_extra_args,
+                    *(["--stream"] if streamer else []),
+                ],
                 timeout=timeout,
             )
         except CheckpointError as e:

@@ -1,0 +1,291 @@
+"""The sandbox every local server runs in: one that both CUDA and CRIU accept.
+
+The spawner starts ``python sandbox.py --log FILE [--user NAME] -- COMMAND…`` (see
+:func:`command`); CRIU dumps and restores the tree with :func:`dump_args` /
+:func:`restore_args`. Three processes, each with one job:
+
+``launcher``
+    The process JupyterHub starts and tracks (``Spawner.proc``), in the host's PID
+    namespace. It makes a new mount and PID namespace, forks the init, passes every
+    stop signal it gets on to it, and exits the way the server did (``-15`` after a
+    SIGTERM, the exit code otherwise), so ``poll()`` reads as for JupyterHub's own
+    ``LocalProcessSpawner``.
+
+``init`` (PID 1 of the new namespace, root)
+    This script again, exec'd inside the new namespaces (a process forked before them
+    keeps its program mapped through the host's mounts, which CRIU cannot follow).
+    Mounts the namespace's own ``/proc``: without it CUDA cannot start (error 304,
+    "OS call failed or operation not supported") and CRIU cannot dump a non-root
+    process ("can't dump unprivileged task whose /proc doesn't belong to it"). Opens
+    stdin (``/dev/null``) and the log *inside* the namespace: CRIU cannot follow a file
+    opened through another mount namespace ("Can't lookup mount=… for fd=0"). Dies
+    with the launcher (``PR_SET_PDEATHSIG``), so the server can never outlive what the
+    Hub tracks. Passes signals on to the server (the kernel drops a signal sent from
+    outside to a namespace's init unless the init handles it), adopts and reaps
+    detached jobs (``nohup … &`` stays in the tree, and in the checkpoint), and exits
+    with the server's status. It is the root of the tree CRIU dumps; it has no open
+    files but stdio, and holds no memory worth counting.
+
+``server``
+    The command, in its own session, as the user (``--user``: groups, gid, uid
+    switched inside the namespace, after the mounts that need root).
+
+Mounts: the namespace starts as a private copy of the host's mounts. All of them (the
+root file system, home directories on NFS, the GPU driver's folder, ``/dev/shm``) are
+*external* to a checkpoint (``--ext-mount-map auto``) and must exist again where the
+server is restored; only the namespace's ``/proc`` is its own. :func:`unreachable_files`
+finds open files CRIU could not follow, so a suspension is refused before anything is
+frozen (docs/sandbox.md).
+
+This file runs as a script with ``python -I -S`` (the standard library only, no site
+packages) so that the two helper processes cost a few MiB and start in milliseconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import sys
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWPID = 0x20000000
+MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+MS_REC, MS_PRIVATE = 0x4000, 1 << 18
+PR_SET_PDEATHSIG = 1
+
+#: The signals a stop (or an admin) sends that the server must see.
+FORWARDED = (
+    signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+)
+#: ``criu dump`` arguments for a tree in its own mount namespace: every inherited mount
+#: is external (recorded by its path, bind-mounted again at restore).
+MOUNT_ARGS = ("--ext-mount-map", "auto", "--enable-external-sharing", "--enable-external-masters")
+
+
+# ---------------------------------------------------------------------- used by the spawner
+
+
+def command(cmd: list[str], log: str, user: str | None = None, python: str | None = None) -> list[str]:
+    """The command line that runs ``cmd`` in the sandbox, its output appended to ``log``."""
+    args = [python or sys.executable, "-I", "-S", os.path.abspath(__file__), "--log", log]
+    if user is not None:
+        args += ["--user", user]
+    return args + ["--"] + list(cmd)
+
+
+# ---------------------------------------------------------------------- used by CRIU's callers
+
+
+def own_mount_namespace(pid: int) -> bool:
+    """True if ``pid`` lives in a mount namespace other than this process's."""
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt") != os.readlink("/proc/self/ns/mnt")
+    except OSError:
+        return False
+
+
+def dump_args(pid: int) -> list[str]:
+    """Extra ``criu dump`` arguments for the tree rooted at ``pid``."""
+    return list(MOUNT_ARGS) if own_mount_namespace(pid) else []
+
+
+def restore_args(mount_namespace: bool) -> list[str]:
+    """Extra ``criu restore`` arguments for an image dumped with :func:`dump_args`."""
+    return [*MOUNT_ARGS, "--root", "/"] if mount_namespace else []
+
+
+def _mount_ids(pid: int) -> dict[int, str]:
+    ids = {}
+    with open(f"/proc/{pid}/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            ids[int(fields[0])] = fields[4]
+    return ids
+
+
+def unreachable_files(pids: list[int]) -> list[str]:
+    """Open files of ``pids`` that CRIU cannot checkpoint, each with the reason and the fix.
+
+    A file opened through another mount namespace (a descriptor passed in from outside
+    the sandbox) has a mount CRIU cannot find in the server's namespace.
+    """
+    problems: list[str] = []
+    if not pids:
+        return problems
+    try:
+        mounts = _mount_ids(pids[0])
+    except OSError:
+        return problems
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if not target.startswith("/"):
+                    continue  # sockets, pipes, anonymous inodes: not on a mount
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    info = dict(line.split(":", 1) for line in f if ":" in line)
+                mnt_id = int(info.get("mnt_id", "-1").strip())
+            except (OSError, ValueError):
+                continue
+            if mnt_id >= 0 and mnt_id not in mounts:
+                problems.append(
+                    f"process {pid} holds {target} (fd {fd}) through a mount outside the "
+                    f"server's mount namespace (mount id {mnt_id}), which CRIU cannot follow: "
+                    "it was passed in from outside the sandbox; start the server with "
+                    "jupyterhub_gpusnap's spawner (which opens every file inside) or close it"
+                )
+    return problems
+
+
+# ---------------------------------------------------------------------- the three processes
+
+_libc = None
+
+
+def _call(name: str, *args) -> None:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if getattr(_libc, name)(*args) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{name}: {os.strerror(err)}")
+
+
+def _say(message: str) -> None:
+    os.write(2, f"gpusnap sandbox: {message}\n".encode(errors="replace"))
+
+
+def _status_exit(status: int) -> None:
+    """Leave this process the way ``status`` (from waitpid) says a child left."""
+    if os.WIFSIGNALED(status):
+        _die_by(os.WTERMSIG(status))
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+    if code > 128 and code - 128 in signal.valid_signals():
+        _die_by(code - 128)  # the init's way of saying "killed by signal N"
+    os._exit(code)
+
+
+def _die_by(signum: int) -> None:
+    if signum not in (signal.SIGKILL, signal.SIGSTOP):
+        signal.signal(signum, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+    os.kill(os.getpid(), signum)
+    os._exit(128 + signum)  # a signal that does not kill (SIGCHLD…): exit like a shell
+
+
+def _forward_to(pid_of) -> None:
+    def forward(signum, _frame):
+        pid = pid_of()
+        if pid:
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                pass
+
+    for s in FORWARDED:
+        signal.signal(s, forward)
+
+
+def _launcher(log: str, user: str | None, cmd: list[str]) -> None:
+    try:
+        _call("unshare", CLONE_NEWNS | CLONE_NEWPID)
+        # a private copy: nothing mounted in here shows on the host, and back
+        _call("mount", None, b"/", None, MS_REC | MS_PRIVATE, None)
+    except OSError as e:
+        _say(f"cannot make the server's namespaces ({e}); the Hub must run as root")
+        os._exit(1)
+    init = 0
+    _forward_to(lambda: init)
+    init = os.fork()
+    if init == 0:
+        try:
+            _call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            args = [sys.executable, "-I", "-S", os.path.abspath(__file__), "--init", "--log", log]
+            os.execv(sys.executable, args + (["--user", user] if user else []) + ["--", *cmd])
+        except OSError as e:
+            _say(f"cannot start the server's init: {e}")
+        os._exit(1)
+    while True:
+        pid, status = os.waitpid(init, 0)
+        if pid == init:
+            _status_exit(status)
+
+
+def _init(log: str, user: str | None, cmd: list[str]) -> None:
+    try:
+        _call("mount", b"proc", b"/proc", b"proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDWR)
+        out = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    except OSError as e:
+        _say(f"cannot set up the server's namespace: {e}")
+        os._exit(1)
+    os.dup2(null, 0)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    os.closerange(3, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 0 else 1024)
+    server = 0
+    _forward_to(lambda: server)
+    server = os.fork()
+    if server == 0:
+        _server(user, cmd)
+    status = None
+    while True:
+        try:
+            pid, st = os.wait()
+        except ChildProcessError:
+            break
+        if pid == server:
+            status = st
+            break
+    # every process left in the namespace is killed when its init exits
+    _status_exit(status if status is not None else 0)
+
+
+def _server(user: str | None, cmd: list[str]) -> None:
+    for s in FORWARDED:
+        signal.signal(s, signal.SIG_DFL)
+    try:
+        os.setsid()
+        if user is not None:
+            import pwd
+
+            pw = pwd.getpwnam(user)
+            os.initgroups(pw.pw_name, pw.pw_gid)
+            os.setgid(pw.pw_gid)
+            os.setuid(pw.pw_uid)
+        os.execvp(cmd[0], cmd)
+    except (OSError, KeyError) as e:
+        _say(f"cannot start {cmd[0]!r} as {user or 'this user'}: {e}")
+    os._exit(127)
+
+
+def main(argv: list[str]) -> None:
+    log, user, init = "", None, False
+    while argv and argv[0] != "--":
+        if argv[0] == "--init":
+            init, argv = True, argv[1:]
+            continue
+        opt, value, argv = argv[0], argv[1] if len(argv) > 1 else "", argv[2:]
+        if opt == "--log":
+            log = value
+        elif opt == "--user":
+            user = value
+        else:
+            _say(f"unknown option {opt}")
+            os._exit(2)
+    cmd = argv[1:]
+    if not log or not cmd:
+        _say("usage: sandbox.py --log FILE [--user NAME] -- COMMAND [ARG…]")
+        os._exit(2)
+    (_init if init else _launcher)(log, user, cmd)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
