@@ -1,0 +1,156 @@
+"""Real Unix users, the way docs/install.md tells admins to run it.
+
+``SnapLocalProcessSpawner`` with system users made by ``useradd``, the single-user command
+as JupyterHub names it (``jupyterhub-singleuser``, found by the spawner with the Hub on a
+plain PATH), a real Hub and proxy, real kernels, real CRIU. Each server runs in the
+sandbox (:mod:`jupyterhub_gpusnap.sandbox`) as its user.
+
+CRIU reads every dumped process's resource limits, which the kernel allows for another
+user's process only with CAP_SYS_RESOURCE. Hosts give root that capability; some
+containers (this project's CI machine among them) drop it. There a suspension of a
+user's server must be refused before anything is frozen, naming the fix, with the server
+running on; with it, the server is suspended and restored as its user. The test asserts
+whichever the host allows, and that the other user can read neither case's files.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import secrets
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from jupyterhub_gpusnap.checkpoint.base import CheckpointRefused
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend
+from jupyterhub_gpusnap.checkpoint.manifest import Manifest
+from jupyterhub_gpusnap.model import Server
+
+pytestmark = [pytest.mark.e2e, pytest.mark.criu]
+
+PLAIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+REPO = Path(__file__).resolve().parent.parent
+
+
+def has_cap_sys_resource() -> bool:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> 24 & 1)
+    return False
+
+
+@pytest.fixture
+def traversable():
+    """Let other users reach the Hub's Python and this checkout (o+x on the folders above
+    them, as an install under /opt would have): a clone under /root is 0700. Put back after."""
+    changed: list[tuple[Path, int]] = []
+    for target in (Path(sys.executable).resolve(), Path(sys.executable).parent, REPO):
+        for folder in [target, *target.parents] if target.is_dir() else target.parents:
+            mode = folder.stat().st_mode
+            if not mode & stat.S_IXOTH:
+                changed.append((folder, mode))
+                os.chmod(folder, stat.S_IMODE(mode) | stat.S_IXOTH)
+    yield
+    for folder, mode in reversed(changed):
+        os.chmod(folder, stat.S_IMODE(mode))
+
+
+@pytest.fixture
+def system_users():
+    """``make()`` adds a real Unix user (useradd -m); all of them and their processes go at teardown."""
+    made: list[str] = []
+
+    def make() -> pwd.struct_passwd:
+        name = f"gsu{secrets.token_hex(3)}"
+        subprocess.run(["useradd", "-m", "-s", "/bin/bash", name], check=True)
+        made.append(name)
+        return pwd.getpwnam(name)
+
+    yield make
+    for name in made:
+        subprocess.run(["pkill", "-KILL", "-u", name], check=False)
+        subprocess.run(["userdel", "-r", "-f", name], check=False, capture_output=True)
+
+
+def users_config(ckpt: Path) -> str:
+    return f"""
+c.JupyterHub.spawner_class = "jupyterhub_gpusnap.spawner.SnapLocalProcessSpawner"
+c.LocalBackend.checkpoint_dir = {str(ckpt)!r}
+c.LocalBackend.min_free_bytes = 0
+c.Spawner.cmd = ["jupyterhub-singleuser"]
+c.Spawner.args = [
+    f"--ServerApp.jpserver_extensions={{ext}}=False"
+    for ext in ("jupyterlab", "jupyter_lsp", "notebook_shim")
+]
+c.Spawner.default_url = "/api/status"
+c.SnapLocalProcessSpawner.restore_timeout = 60
+"""
+
+
+def processes_of(uid: int) -> list[psutil.Process]:
+    return [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == uid]
+
+
+async def test_users_servers_run_as_themselves_and_suspend_as_the_host_allows(
+    hub_factory, tmp_path, system_users, traversable
+):
+    alice, bob = system_users(), system_users()
+    ckpt = tmp_path / "ckpt"
+    hub = await hub_factory(users_config(ckpt), env={"PATH": PLAIN_PATH})
+    backend = LocalBackend(checkpoint_dir=str(ckpt), min_free_bytes=0)
+
+    await hub.start_server(alice.pw_name)
+    kid, out = await hub.execute(
+        alice.pw_name,
+        "import os\nx = 42\nprint(os.getuid(), os.getgid(), os.getpid(), os.path.expanduser('~'))",
+    )
+    uid, gid, pid_inside, home = out.split()
+    assert (int(uid), int(gid), home) == (alice.pw_uid, alice.pw_gid, alice.pw_dir), out
+    assert int(pid_inside) > 2  # a kernel inside the server's own PID namespace
+    model = await hub.get_server(alice.pw_name)
+    init = psutil.Process(model["state"]["pid"])
+    server = init.children()[0]
+    assert init.uids().real == 0 and server.uids().real == alice.pw_uid
+    assert server.exe() and "jupyterhub-singleuser" in " ".join(server.cmdline())
+
+    if has_cap_sys_resource():
+        info = await backend.checkpoint(Server(user=alice.pw_name, state=model["state"]))
+        assert info.status == "verified"
+        await hub.stop_server(alice.pw_name)
+        assert not processes_of(alice.pw_uid)
+        await hub.start_server(alice.pw_name)
+        kid2, out = await hub.execute(alice.pw_name, "print(x, os.getuid())", kernel_id=kid)
+        assert kid2 == kid and out.split() == ["42", str(alice.pw_uid)]
+        assert Manifest.load(backend.folder(info.id)).status == "restored"
+        secret_file = backend.folder(info.id) / "manifest.json"
+    else:
+        with pytest.raises(CheckpointRefused, match="CAP_SYS_RESOURCE") as refused:
+            await backend.checkpoint(Server(user=alice.pw_name, state=model["state"]))
+        assert "--cap-add SYS_RESOURCE" in str(refused.value)
+        assert not list(ckpt.glob("*/*/*/manifest.json")), "nothing written, nothing frozen"
+        kid2, out = await hub.execute(alice.pw_name, "print(x)", kernel_id=kid)
+        assert kid2 == kid and out.strip() == "42"  # the server runs on, untouched
+        secret_file = backend.server_dir(alice.pw_name, "") / "server.log"
+    assert secret_file.exists()
+
+    # bob's kernel can read neither alice's snapshot nor her server's log
+    await hub.start_server(bob.pw_name)
+    _, out = await hub.execute(
+        bob.pw_name,
+        "import os\nfor p in [{!r}, {!r}]:\n"
+        "    try:\n        open(p).read(1); print('READ', p)\n"
+        "    except PermissionError:\n        print('denied')\n".format(
+            str(secret_file), str(backend.server_dir(alice.pw_name, "") / "server.log")
+        ),
+    )
+    assert out.split() == ["denied", "denied"], out
+
+    # a stop through the Hub ends every process of the user (the sandbox's init passes
+    # SIGTERM on; nothing outlives what the Hub tracks)
+    await hub.stop_server(bob.pw_name)
+    assert not processes_of(bob.pw_uid)
