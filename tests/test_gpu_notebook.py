@@ -1,0 +1,125 @@
+"""A GPU notebook end to end, the path a user takes (needs an NVIDIA GPU, PyTorch, root).
+
+A real Hub and proxy, the real service (Jupyter, CPU and NVML signals; warning email
+through a real SMTP server; the local CRIU backend with the CUDA driver's checkpoint), the
+spawner docs/install.md recommends (``SnapLocalProcessSpawner``) with a real Unix user,
+``jupyterhub-singleuser`` found by the spawner, and a real kernel that puts torch tensors
+on the GPU through the proxy. The server goes idle, is warned, checkpointed (the GPU memory
+is free, by NVML) and stopped; the user starts it again; the same kernel answers with the
+same tensor checksum and can use the GPU.
+
+Where the host's root lacks CAP_SYS_RESOURCE (see tests/test_real_users.py), another
+user's server cannot be checkpointed; the test then runs the server as root with
+``SnapSimpleLocalProcessSpawner`` (same sandbox) and says so in its output.
+"""
+
+from __future__ import annotations
+
+import pynvml
+import pytest
+from gpusnap_service import GpuSnapService
+from smtp_server import SmtpServer
+from test_real_users import has_cap_sys_resource, system_users, traversable  # noqa: F401
+from test_suspend_e2e import settings
+
+from jupyterhub_gpusnap.procs import tree_pids
+
+pytestmark = [pytest.mark.gpu, pytest.mark.e2e, pytest.mark.criu]
+
+GiB = 1 << 30
+
+ALLOCATE = """
+import hashlib, os, torch
+xs = [torch.randn(GiB // 4, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
+      for i in range(N)]
+def digest():
+    h = hashlib.sha256()
+    for t in xs:
+        h.update(t.cpu().numpy().tobytes())
+    return h.hexdigest()
+x = 42
+torch.cuda.synchronize()
+print(digest(), os.getuid())
+""".replace("GiB", str(GiB)).replace("N", "1")
+
+
+def gpu_used() -> tuple[int, set[int]]:
+    """(bytes used on GPU 0, pids holding a compute context there)."""
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    used = pynvml.nvmlDeviceGetMemoryInfo(handle).used
+    pids = {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+    return used, pids
+
+
+async def test_gpu_notebook_is_suspended_by_the_service_and_comes_back(
+    hub_factory, tmp_path, system_users, traversable  # noqa: F811
+):
+    pynvml.nvmlInit()
+    ckpt = tmp_path / "checkpoints"
+    (tmp_path / "smtp").mkdir()
+    smtp = SmtpServer(tmp_path / "smtp").start()
+    service = GpuSnapService(tmp_path / "gpusnap", settings(ckpt, smtp).replace(
+        "c.GpuSnap.idle_window = 8", "c.GpuSnap.idle_window = 20"
+    ).replace("c.GpuSnap.warn_before = 3", "c.GpuSnap.warn_before = 8"))
+    if has_cap_sys_resource():
+        user = system_users().pw_name
+        spawner = "SnapLocalProcessSpawner"
+    else:
+        user = "alice"
+        spawner = "SnapSimpleLocalProcessSpawner"
+        print("no CAP_SYS_RESOURCE here: the server runs as root (SnapSimpleLocalProcessSpawner)")
+    hub = await hub_factory(
+        f"""
+c.JupyterHub.spawner_class = "jupyterhub_gpusnap.spawner.{spawner}"
+c.LocalBackend.checkpoint_dir = {str(ckpt)!r}
+c.LocalBackend.min_free_bytes = 0
+c.Spawner.cmd = ["jupyterhub-singleuser"]
+c.Spawner.args = [f"--ServerApp.jpserver_extensions={{e}}=False" for e in ("jupyterlab", "jupyter_lsp", "notebook_shim")]
+c.Spawner.default_url = "/api/status"
+c.{spawner}.restore_timeout = 120
+c.SimpleLocalProcessSpawner.home_dir_template = {str(tmp_path / "home")!r} + "/{{username}}"
+"""
+        + ('c.Spawner.args.append("--allow-root")\n' if user == "alice" else "")
+        + service.hub_config()
+    )
+    try:
+        before_alloc, _ = gpu_used()
+        await hub.start_server(user, timeout=120)
+        kernel, out = await hub.execute(user, ALLOCATE, timeout=180)
+        checksum, uid = out.split()
+        tree = set(tree_pids((await hub.get_server(user))["state"]["pid"]))
+        used, holders = gpu_used()
+        assert used - before_alloc >= GiB and tree & holders, (used, holders, tree)
+        if user != "alice":
+            assert int(uid) != 0  # the kernel runs as the user
+
+        await service.start(hub)
+
+        async def suspended():
+            status = await service.server_status(f"{user}/")
+            return status if status and status["state"] == "suspended" else None
+
+        status = await service.wait_for(suspended, timeout=240, what="the server to be suspended")
+        assert await hub.get_server(user) is None
+        used_after, holders_after = gpu_used()
+        assert not (tree & holders_after), "no process of the server holds the GPU"
+        assert used_after < before_alloc + GiB // 4, (before_alloc, used, used_after)
+        warned = [m for m in smtp.messages if m.rcpt_tos == [f"{user}@example.org"]]
+        assert warned and "suspend" in warned[0].subject.lower(), [m.subject for m in warned]
+        assert status["checkpoint_id"]
+
+        # the user comes back: same kernel, same tensors, the GPU usable
+        await hub.start_server(user, timeout=240)
+        same, out = await hub.execute(
+            user, "print(digest(), x, torch.equal((xs[0] * 2) / 2, xs[0]))",
+            kernel_id=kernel, timeout=180,
+        )
+        assert same == kernel
+        got, x, gpu_ok = out.split()
+        assert (got, x, gpu_ok) == (checksum, "42", "True")
+        used_back, holders_back = gpu_used()
+        assert used_back - before_alloc >= GiB
+    finally:
+        await service.stop()
+        smtp.stop()
+        pynvml.nvmlShutdown()
