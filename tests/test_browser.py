@@ -88,7 +88,10 @@ def hub_config(service: GpuSnapService, root: Path) -> str:
 
 @pytest.fixture
 async def setup(hub_factory, tmp_path):
-    service = GpuSnapService(tmp_path / "gpusnap", SETTINGS)
+    # the panel test clicks in the Lab to open the panel, and a click is the user at work
+    # (interaction_window): switched off here so the pages show an idle server's countdown;
+    # test_interaction_in_the_tab_counts_and_an_untouched_tab_does_not covers interaction
+    service = GpuSnapService(tmp_path / "gpusnap", SETTINGS + "c.GpuSnap.interaction_window = 0\n")
     hub = await hub_factory(hub_config(service, tmp_path))
     for user in ("alice", "bob"):
         await hub.start_server(user)
