@@ -1,0 +1,999 @@
+"""A GPU notebook suspended and brought back the way a user meets it, against the bare recipe.
+
+For each size (GiB of torch tensors, positional, fractions allowed; default 1 8 24), ``--repeat``
+times, the two paths alternating which goes first:
+
+- **gpusnap**: a real JupyterHub and proxy (``tests/realhub.py``) with
+  ``SnapSimpleLocalProcessSpawner`` (servers as root, each in the sandbox of
+  ``jupyterhub_gpusnap/sandbox.py``). alice's server is started through the Hub API and a cell
+  in a real ipykernel, sent through the proxy, puts N GiB of random tensors on the GPU
+  (``xs``, 1 GiB ``torch.randn`` chunks) and sets ``x = 42``. The server is then suspended as
+  the service does it: ``LocalBackend.checkpoint(Server(user, name, state))`` with the spawner
+  state from the Hub API, then ``DELETE /users/alice/server``. Recorded: ``gpu_bytes`` and
+  ``image_bytes`` (manifest), ``time_to_gpu_free_s`` (manifest), ``time_to_disk_s`` (the
+  checkpoint call, start to verified return: image fsync'ed, processes ended) and
+  ``gpu_free_after`` (NVML: no process of the server's tree holds GPU memory and the GPU's used
+  memory is back within 256 MiB of what it was before the server started). Then the "click":
+  ``POST /users/alice/server`` until the *same* kernel (same id) answers ``print(x)`` through the
+  proxy with 42 (``click_to_kernel_s``; ``click_to_ready_s`` until the Hub lists the server
+  ready), then the checksum cell again (``first_tensor_cell_s``; ``intact``: same checksum).
+- **bare**: the same jupyter server + kernel workload, no Hub, the recipe of issue 21 done by
+  hand: ``unshare --pid --fork --mount-proc setsid sh -c 'exec jupyter server … </dev/null
+  >>log 2>&1'`` (stdio opened inside the namespaces); the CUDA driver's lock + checkpoint
+  through ctypes on every process of the tree holding a CUDA context (``bare_gpu_free_s``);
+  ``criu dump --tcp-close --leave-stopped --file-locks --skip-in-flight --ext-mount-map auto
+  --enable-external-sharing --enable-external-masters`` of the namespace's init; every image file
+  fsync'ed; the frozen tree killed and waited for. ``bare_dump_s`` is all of that (the same
+  steps ``time_to_disk_s`` covers). Then ``criu restore -d --tcp-close --file-locks`` with the
+  same mount flags plus ``--root /``, the driver's restore + unlock, until the same kernel
+  answers ``print(x)`` (``bare_restore_s``); the checksum cell again (``bare_intact``). CRIU
+  runs at its default log level here (the backend asks for ``-v4``).
+
+One Hub serves the whole run (its folder and log stay under ``--dir``); alice's server starts
+fresh for each run. The bench's own ``LocalBackend`` has the Hub's settings (same
+``checkpoint_dir``, ``min_free_bytes = 0``, files storage).
+
+Ratios (per run, then the median), with the targets of issue 21: ``gpu_free_ratio`` =
+time_to_gpu_free_s / bare_gpu_free_s (<= 1.05), ``disk_ratio`` = time_to_disk_s / bare_dump_s
+(<= 1.10), ``click_ratio`` = click_to_kernel_s / (bare_restore_s + 1 s) (<= 1.10), and, for
+information, ``restore_ratio`` = the backend's restore (manifest ``restore_s``: checks, CRIU,
+GPU memory) / (bare criu restore + driver restore).
+
+The checksum (the kernel's ``digest()``), computed on the GPU: for each tensor, seen as 64-bit
+words w_j, the sums of w_j and of (2j+1)·w_j modulo 2^64 (an odd weight is invertible modulo
+2^64, so a change to any one word changes the second sum; words moved or several changed go
+unnoticed only if their changes cancel exactly), plus the first and last 8 words verbatim and
+the length, all through sha256. No tensor data is copied to the host.
+
+The page cache is dropped before each restore (``cold_cache``; ``--keep-cache`` keeps it). Only
+one image is on disk at a time (each is deleted after its run). Needs root, an NVIDIA GPU with
+driver >= 570, PyTorch, CRIU >= 4.2, jupyterhub, jupyter_server, ipykernel and
+configurable-http-proxy (on the GPU machine: ``source .carry/kit.sh``).
+
+Usage: ``python3 bench/gpu_notebook.py [GIB ...] [--gib GIB ...] [--repeat N] [--dir DIR]
+[--keep-cache]`` → ``bench/results/gpu_notebook.json`` for the default sizes, else
+``gpu_notebook_<sizes>.json`` (``--out NAME`` to choose), written after every size so that a
+run cut short (SIGTERM included: servers and Hub are cleaned up) keeps what it measured, with
+``error`` and ``partial_runs``. Progress lines carry the seconds since the start; on a failure
+the ends of the Hub's and alice's server's logs are printed. Exit status 1 when a check failed
+(data changed, GPU not freed, a step failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import ROOT, GiB, print_table, write_json
+
+if str(ROOT / "tests") not in sys.path:  # realhub, kernel_ws and their siblings by name
+    sys.path.insert(0, str(ROOT / "tests"))
+
+MiB = 1 << 20
+USER = "alice"
+DEFAULT_SIZES = [1.0, 8.0, 24.0]
+SLACK = 256 * MiB  # GPU memory that may stay used after a server is gone (NVML's own noise)
+TARGETS = {"gpu_free_ratio": 1.05, "disk_ratio": 1.10, "click_ratio": 1.10}
+BARE_MOUNT_ARGS = [
+    "--ext-mount-map",
+    "auto",
+    "--enable-external-sharing",
+    "--enable-external-masters",
+]
+SERVER_ARGS = [
+    f"--ServerApp.jpserver_extensions={ext}=False"
+    for ext in ("jupyterlab", "jupyter_lsp", "notebook_shim")
+]
+
+T0 = time.monotonic()
+
+
+def say(message: str) -> None:
+    print(f"[{time.monotonic() - T0:7.1f}s] {message}", flush=True)
+
+
+class BenchError(RuntimeError):
+    """A step did not do what it must; the message says which and where to look."""
+
+
+# ------------------------------------------------------------------------ the kernel's cells
+
+ALLOCATE = r'''
+import hashlib, sys, time
+try:
+    import torch
+except ImportError as e:
+    raise RuntimeError(f"no PyTorch in the kernel's Python ({sys.executable}): {e}")
+if not torch.cuda.is_available():
+    raise RuntimeError(f"the kernel ({sys.executable}) sees no GPU")
+
+def _bench_alloc(nbytes, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out, left = [], nbytes // 4
+    while left:
+        n = min(left, (1 << 30) // 4)
+        out.append(torch.randn(n, device="cuda", generator=g))
+        left -= n
+    return out
+
+def digest():
+    """sha256 of, per tensor: length, sum and odd-weighted sum of its 64-bit words (mod 2**64,
+    on the GPU), first and last 8 words."""
+    h = hashlib.sha256()
+    step = 1 << 24
+    for t in xs:
+        v = t.view(torch.int64)
+        total = torch.zeros((), dtype=torch.int64, device=v.device)
+        weighted = torch.zeros((), dtype=torch.int64, device=v.device)
+        for i in range(0, v.numel(), step):
+            part = v[i:i + step]
+            w = torch.arange(2 * i + 1, 2 * (i + part.numel()) + 1, 2, dtype=torch.int64, device=v.device)
+            total += part.sum()
+            weighted += (part * w).sum()
+        h.update(repr((v.numel(), total.item(), weighted.item(), v[:8].tolist(), v[-8:].tolist())).encode())
+    torch.cuda.empty_cache()
+    return h.hexdigest()
+
+_t = time.perf_counter()
+xs = _bench_alloc(NBYTES, SEED)
+x = 42
+torch.cuda.synchronize()
+print("DIGEST", digest(), sum(t.numel() * t.element_size() for t in xs), round(time.perf_counter() - _t, 3))
+'''
+DIGEST_CELL = 'print("DIGEST", digest())'
+X_CELL = "print(x)"
+
+
+def allocate_code(nbytes: int, seed: int) -> str:
+    return ALLOCATE.replace("NBYTES", str(nbytes)).replace("SEED", str(seed))
+
+
+def parse_digest(out: str, what: str) -> tuple[str, list[str]]:
+    """The checksum (and the rest of its line) from a cell's output; BenchError otherwise."""
+    for line in out.splitlines():
+        if line.startswith("DIGEST "):
+            words = line.split()
+            return words[1], words[2:]
+    raise BenchError(f"{what}: no checksum in the kernel's output: {out[-2000:]!r}")
+
+
+# ------------------------------------------------------------------------ machine checks
+
+
+def check_gpu_python() -> str:
+    """PyTorch with a GPU in this Python (the kernels run it); its version, or exit with why."""
+    code = (
+        "import torch\n"
+        "ok = torch.cuda.is_available()\n"
+        "print(torch.__version__, ok, torch.cuda.get_device_name(0) if ok else '-')\n"
+    )
+    hint = (
+        f"bench/gpu_notebook.py needs an NVIDIA GPU and PyTorch in this Python ({sys.executable}); "
+        "run it on the GPU machine (source .carry/kit.sh first)"
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=180
+        )
+    except subprocess.TimeoutExpired:
+        sys.exit(f"{hint}: 'import torch; torch.cuda.is_available()' took over 180 s")
+    if out.returncode != 0:
+        last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        sys.exit(f"{hint}: {last}")
+    version, ok, name = (out.stdout.split(None, 2) + ["", "", ""])[:3]
+    if ok != "True":
+        sys.exit(f"{hint}: torch {version} sees no GPU (torch.cuda.is_available() is False)")
+    say(f"torch {version} on {name.strip()}")
+    return version
+
+
+def check_machine(root: Path, sizes: list[float]) -> str:
+    """Everything else the bench needs; the CRIU binary, or exit with what is missing."""
+    if os.geteuid() != 0:
+        sys.exit("bench/gpu_notebook.py needs root (CRIU, namespaces, the CUDA checkpoint API)")
+    missing = [m for m in ("jupyterhub", "jupyter_server", "ipykernel", "psutil", "tornado")
+               if not _importable(m)]  # fmt: skip
+    if missing:
+        sys.exit(f"not importable by {sys.executable}: {', '.join(missing)} (source .carry/kit.sh)")
+    for tool in ("configurable-http-proxy", "unshare", "setsid"):
+        if not shutil.which(tool):
+            sys.exit(f"{tool} not on PATH (source .carry/kit.sh)")
+    from jupyterhub_gpusnap.checkpoint.criu import find_criu
+    from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
+
+    criu = find_criu()
+    if not criu:
+        sys.exit("criu not found (source .carry/kit.sh, or .ci/install-criu.sh)")
+    cuda = CudaCheckpoint()
+    if not cuda.available():
+        sys.exit(f"CUDA driver checkpoint API unavailable: {cuda.reason}")
+    root.mkdir(parents=True, exist_ok=True)
+    need = int(max(sizes) * GiB * 1.15) + 2 * GiB  # one image on disk at a time
+    free = shutil.disk_usage(root).free
+    if free < need:
+        sys.exit(f"{root}: {free / GiB:.1f} GiB free, the {max(sizes):g} GiB run needs about "
+                 f"{need / GiB:.1f} GiB; use --dir on a larger disk")  # fmt: skip
+    return criu
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def filesystem_of(path: Path) -> str:
+    """The file system type and mount point holding ``path`` (from /proc/self/mounts)."""
+    real, best = str(path.resolve()), ("", "")
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                fields = line.split()
+                mnt, fstype = fields[1], fields[2]
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(
+                    best[0]
+                ):
+                    best = (mnt, fstype)
+    except OSError:
+        pass
+    return f"{best[1]} on {best[0]}" if best[0] else "unknown"
+
+
+# ------------------------------------------------------------------------ NVML
+
+
+class Gpu:
+    """NVML in this process: memory used on all GPUs, and which pids hold GPU memory."""
+
+    def __init__(self):
+        from jupyterhub_gpusnap.signals.nvml import Nvml
+
+        self.nv = Nvml()
+        if not self.nv.open():
+            sys.exit(f"NVML unavailable: {self.nv.reason}")
+
+    def used(self) -> int:
+        return sum(self.nv.device_memory_total()) - sum(self.nv.device_memory_free())
+
+    def holders(self, pids: list[int]) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for per_pid in self.nv.process_memory(list(pids)).values():
+            for pid, n in per_pid.items():
+                out[pid] = out.get(pid, 0) + n
+        return out
+
+    async def wait_back_to(self, base: int, timeout: float = 60) -> bool:
+        """Wait until the GPU's used memory is within SLACK of ``base``; False if it never was."""
+        deadline = time.monotonic() + timeout
+        while await asyncio.to_thread(self.used) > base + SLACK:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
+
+
+# ------------------------------------------------------------------------ helpers
+
+
+async def bounded(coro, seconds: float, what: str):
+    """``await coro`` for at most ``seconds``; BenchError naming ``what`` otherwise."""
+    try:
+        return await asyncio.wait_for(coro, seconds)
+    except asyncio.TimeoutError:
+        raise BenchError(f"{what} did not finish within {seconds:.0f} s") from None
+
+
+class Limits:
+    """Bounds on each step for a size (generous: about 3x the H100 figures of issue 21)."""
+
+    def __init__(self, gib: float):
+        self.start = 180.0
+        self.alloc = 180 + 5 * gib
+        self.cell = 120 + 2 * gib
+        self.checkpoint = 120 + 8 * gib
+        self.restore = 120 + 8 * gib
+        self.stop = 120 + 2 * gib
+
+
+def fsync_folder(folder: Path) -> None:
+    for p in folder.iterdir():
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def started_at(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time() if pid else None
+    except psutil.Error:
+        return None
+
+
+def kill_same(pid: int, started: float | None) -> None:
+    """SIGKILL ``pid`` if it is still the process that started at ``started`` (never a
+    process that reused its number)."""
+    import psutil
+
+    if not pid or started is None:
+        return
+    try:
+        p = psutil.Process(pid)
+        if abs(p.create_time() - started) < 0.01:
+            p.kill()
+    except psutil.Error:
+        pass
+
+
+async def wait_gone(pids: list[int], timeout: float) -> bool:
+    from jupyterhub_gpusnap.checkpoint.local import is_alive
+
+    deadline = time.monotonic() + timeout
+    while any(is_alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+# ------------------------------------------------------------------------ gpusnap: the Hub path
+
+HUB_CONFIG = """
+c.JupyterHub.spawner_class = "jupyterhub_gpusnap.spawner.SnapSimpleLocalProcessSpawner"
+c.LocalBackend.checkpoint_dir = {ckpt!r}
+c.LocalBackend.min_free_bytes = 0
+c.SnapSimpleLocalProcessSpawner.restore_timeout = {restore_timeout}
+c.Spawner.start_timeout = {start_timeout}
+c.Spawner.http_timeout = 120
+c.Spawner.args = ["--allow-root"] + {server_args!r}
+c.Spawner.default_url = "/api/status"
+"""
+
+
+async def wait_ready_fast(hub, user: str, timeout: float) -> None:
+    """Poll the Hub every 50 ms until ``user``'s server is ready (finer than RealHub.wait_ready)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        model = await hub.get_server(user)
+        if model and model.get("ready"):
+            return
+        if model is None or not model.get("pending"):
+            raise BenchError(f"{user}'s server stopped starting: {model}; see {hub.log_file}")
+        if time.monotonic() > deadline:
+            raise BenchError(
+                f"{user}'s server not ready within {timeout:.0f} s; see {hub.log_file}"
+            )
+        await asyncio.sleep(0.05)
+
+
+async def gpusnap_run(hub, backend, gpu: Gpu, gib: float, nbytes: int, seed: int) -> dict:
+    from gpu_suspend import drop_caches
+
+    from jupyterhub_gpusnap.model import Server
+    from jupyterhub_gpusnap.procs import tree_pids
+
+    lim = Limits(gib)
+    tag = f"{gib:g} GiB gpusnap"
+    base = await asyncio.to_thread(gpu.used)
+    t = time.monotonic()
+    await bounded(
+        hub.start_server(USER, timeout=lim.start), lim.start + 10, f"{tag}: starting the server"
+    )
+    spawn_s = time.monotonic() - t
+    t = time.monotonic()
+    kernel, out = await bounded(
+        hub.execute(USER, allocate_code(nbytes, seed), timeout=lim.alloc), lim.alloc + 10,
+        f"{tag}: the allocating cell",
+    )  # fmt: skip
+    checksum, rest = parse_digest(out, f"{tag}: allocating cell")
+    say(f"{tag}: server up in {spawn_s:.1f} s, kernel {kernel[:8]} holds {int(rest[0]) / GiB:.2f} GiB "
+        f"(cell {time.monotonic() - t:.1f} s), checksum {checksum[:12]}")  # fmt: skip
+    model = await hub.get_server(USER)
+    state = (model or {}).get("state") or {}
+    if not state.get("pid"):
+        raise BenchError(f"{tag}: no pid in the server's state from the Hub API: {model}")
+    tree = tree_pids(state["pid"])
+    held = await asyncio.to_thread(gpu.holders, tree)
+    if not held:
+        raise BenchError(
+            f"{tag}: NVML lists no process of the server's tree {tree} (from the state's pid "
+            f"{state['pid']}, {'running' if tree else 'not found'}) on the GPU; state: {state}"
+        )
+
+    t = time.monotonic()
+    info = await bounded(
+        backend.checkpoint(Server(user=USER, name="", state=state)),
+        lim.checkpoint,
+        f"{tag}: checkpoint",
+    )
+    time_to_disk = time.monotonic() - t
+    if info.status != "verified":
+        raise BenchError(f"{tag}: checkpoint {info.id} is {info.status}: {info.error}")
+    left = await asyncio.to_thread(gpu.holders, tree)
+    used_after = await asyncio.to_thread(gpu.used)
+    gpu_free_after = not left and used_after <= base + SLACK
+    gpu_free_s = info.extra.get("time_to_gpu_free_s") or 0.0
+    say(f"{tag}: checkpoint {info.id}: GPU free after {gpu_free_s:.2f} s, on disk after "
+        f"{time_to_disk:.2f} s, image {info.image_bytes / GiB:.2f} GiB, GPU freed: {gpu_free_after}")  # fmt: skip
+    await bounded(
+        hub.stop_server(USER, timeout=lim.stop),
+        lim.stop + 10,
+        f"{tag}: stopping (DELETE) after the checkpoint",
+    )
+
+    cold = False if KEEP_CACHE else drop_caches()
+    say(f"{tag}: click (POST /users/{USER}/server)")
+    t = time.monotonic()
+    status, data = await hub.api("POST", f"/users/{USER}/server", {}, timeout=60)
+    if status not in (201, 202):
+        raise BenchError(f"{tag}: POST /users/{USER}/server: {status} {data}; see {hub.log_file}")
+    await wait_ready_fast(hub, USER, lim.restore)
+    ready_s = time.monotonic() - t
+    try:
+        _, out = await bounded(
+            hub.execute(USER, X_CELL, kernel_id=kernel, timeout=lim.cell),
+            lim.cell + 10,
+            f"{tag}: print(x)",
+        )
+    except BenchError:
+        raise
+    except Exception as e:
+        raise BenchError(
+            f"{tag}: kernel {kernel} does not answer after the start ({type(e).__name__}: {e}); "
+            f"was the server restored? see {hub.log_file}"
+        ) from e
+    click = time.monotonic() - t
+    if out.strip() != "42":
+        raise BenchError(f"{tag}: print(x) in the restored kernel gave {out!r}, not 42")
+    t = time.monotonic()
+    _, out = await bounded(
+        hub.execute(USER, DIGEST_CELL, kernel_id=kernel, timeout=lim.alloc), lim.alloc + 10,
+        f"{tag}: the checksum cell after the restore",
+    )  # fmt: skip
+    first_tensor_cell = time.monotonic() - t
+    after, _ = parse_digest(out, f"{tag}: checksum cell after the restore")
+    done = await backend.get(info.id)
+    restore_s = (done.extra.get("restore_s") if done else None) or 0.0
+    say(f"{tag}: same kernel answered after {click:.2f} s (ready {ready_s:.2f} s, backend restore "
+        f"{restore_s:.2f} s); checksum cell {first_tensor_cell:.2f} s, intact: {after == checksum}")  # fmt: skip
+
+    await bounded(
+        hub.stop_server(USER, timeout=lim.stop),
+        lim.stop + 10,
+        f"{tag}: stopping the restored server",
+    )
+    released = await gpu.wait_back_to(base)
+    if not released:
+        say(f"{tag}: WARNING: GPU memory not back to {base / GiB:.2f} GiB used after the stop")
+    await backend.delete(info.id)
+    return {
+        "gpu_bytes": info.gpu_bytes,
+        "image_bytes": info.image_bytes,
+        "time_to_gpu_free_s": round(gpu_free_s, 3),
+        "time_to_disk_s": round(time_to_disk, 3),
+        "click_to_kernel_s": round(click, 3),
+        "click_to_ready_s": round(ready_s, 3),
+        "first_tensor_cell_s": round(first_tensor_cell, 3),
+        "restore_s": round(restore_s, 3),
+        "gpu_free_after": gpu_free_after,
+        "intact": after == checksum,
+        "restored": bool(done and done.status == "restored"),
+        "cold_cache": bool(cold),
+        "spawn_s": round(spawn_s, 3),
+        "checkpoint_phases": {
+            k: info.extra.get(k) for k in ("time_to_gpu_free_s", "dump_seconds", "seal_seconds")
+        },
+        "restore_phases": done.extra.get("restore_phases") if done else None,
+        "gpu_used_before_bytes": base,
+        "gpu_used_after_bytes": used_after,
+        "gpu_released_after_stop": released,
+    }
+
+
+# ------------------------------------------------------------------------ bare: by hand
+
+
+class BareServer:
+    """``jupyter server`` in its own PID + mount namespace with its own /proc, stdio opened inside."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.log = folder / "server.log"
+        from ports import free_port
+
+        self.port = free_port()
+        self.token = secrets.token_hex(16)
+        self.base = f"http://127.0.0.1:{self.port}/"
+        self.launcher: subprocess.Popen | None = None
+        self.init = 0  # host pid of the namespace's init (the jupyter server)
+        self.init_started: float | None = None
+
+    async def start(self, timeout: float) -> None:
+        server = [
+            sys.executable, "-m", "jupyter_server", "--allow-root", "--no-browser",
+            "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.folder}", *SERVER_ARGS,
+        ]  # fmt: skip
+        inner = f"exec {shlex.join(server)} </dev/null >>{shlex.quote(str(self.log))} 2>&1"
+        # unshare's own errors (before sh opens the log inside) go to unshare.log, a file
+        # only unshare holds: the dumped tree's stdio is replaced by sh's redirections
+        with open(self.folder / "unshare.log", "wb") as errors:
+            self.launcher = subprocess.Popen(
+                ["unshare", "--pid", "--fork", "--mount-proc", "setsid", "sh", "-c", inner],
+                stdin=subprocess.DEVNULL, stdout=errors, stderr=errors,
+                start_new_session=True, cwd=self.folder, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )  # fmt: skip
+        import psutil
+        from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+
+        deadline = time.monotonic() + timeout
+        client = AsyncHTTPClient()
+        while True:
+            if self.launcher.poll() is not None:
+                raise BenchError(
+                    f"bare jupyter server exited ({self.launcher.returncode}): {self.log_tail()}"
+                )
+            if not self.init:
+                try:
+                    kids = psutil.Process(self.launcher.pid).children()
+                    if kids:
+                        self.init, self.init_started = kids[0].pid, kids[0].create_time()
+                except psutil.Error:
+                    pass
+            try:
+                resp = await client.fetch(
+                    HTTPRequest(f"{self.base}api/status", headers={"Authorization": f"token {self.token}"},
+                                request_timeout=5), raise_error=False,
+                )  # fmt: skip
+                if resp.code == 200 and self.init:
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise BenchError(
+                    f"bare jupyter server did not answer within {timeout:.0f} s: {self.log_tail()}"
+                )
+            await asyncio.sleep(0.1)
+
+    def log_tail(self) -> str:
+        text = ""
+        for path in (self.folder / "unshare.log", self.log):
+            try:
+                text += path.read_text(errors="replace")[-2000:]
+            except OSError:
+                pass
+        return text or f"(nothing in {self.log})"
+
+    def kill(self) -> None:
+        """SIGKILL the namespace's init (the whole namespace goes with it) and the launcher."""
+        kill_same(self.init, self.init_started)
+        self.init = 0
+        if self.launcher is not None and self.launcher.poll() is None:
+            self.launcher.kill()
+            try:
+                self.launcher.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+async def execute_bare(
+    server: BareServer, kernel: str, code: str, timeout: float, what: str
+) -> str:
+    from kernel_ws import execute
+
+    out, _ = await bounded(
+        execute(server.base, server.token, kernel, code, timeout), timeout + 10, what
+    )
+    return out
+
+
+async def run_criu(args: list[str], timeout: float, what: str, log: Path) -> None:
+    from jupyterhub_gpusnap.checkpoint.criu import log_tail
+
+    proc = await asyncio.create_subprocess_exec(
+        *args,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    try:
+        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+    except asyncio.TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise BenchError(f"{what} took longer than {timeout:.0f} s; log {log}") from None
+    if proc.returncode != 0:
+        raise BenchError(f"{what} failed (exit {proc.returncode}); log {log}:\n{log_tail(log)}\n"
+                         f"{out.decode(errors='replace')[-1000:]}")  # fmt: skip
+
+
+async def bare_run(root: Path, criu: str, cuda, gpu: Gpu, gib: float, nbytes: int, seed: int,
+                   live: list) -> dict:  # fmt: skip
+    from gpu_suspend import drop_caches
+    from kernel_ws import new_kernel
+
+    from jupyterhub_gpusnap.checkpoint.criu import needs_shell_job, read_pidfile
+    from jupyterhub_gpusnap.procs import tree_pids
+
+    lim = Limits(gib)
+    tag = f"{gib:g} GiB bare"
+    base = await asyncio.to_thread(gpu.used)
+    folder = Path(tempfile.mkdtemp(dir=root, prefix="bare-"))
+    server = BareServer(folder)
+    live.append(server)
+    restored, restored_started = 0, None
+    try:
+        await server.start(lim.start)
+        kernel = await bounded(
+            new_kernel(server.base, server.token), 60, f"{tag}: creating a kernel"
+        )
+        out = await execute_bare(
+            server, kernel, allocate_code(nbytes, seed), lim.alloc, f"{tag}: the allocating cell"
+        )
+        checksum, _ = parse_digest(out, f"{tag}: allocating cell")
+        tree = tree_pids(server.init)
+        cuda_pids = [p for p in tree if await asyncio.to_thread(cuda.state, p) == "running"]
+        if not cuda_pids:
+            raise BenchError(f"{tag}: no process of the tree {tree} has a CUDA context")
+        gpu_bytes = sum((await asyncio.to_thread(gpu.holders, tree)).values())
+        images = folder / "images"
+        images.mkdir()
+
+        # suspend: driver checkpoint, criu dump, fsync, kill
+        t = time.monotonic()
+        for p in cuda_pids:
+            await asyncio.to_thread(cuda.lock, p, 0)
+        for p in cuda_pids:
+            await asyncio.to_thread(cuda.checkpoint, p)
+        gpu_free_s = time.monotonic() - t
+        c = time.monotonic()  # the NVML look is not part of the recipe: left out of the total
+        left = await asyncio.to_thread(gpu.holders, tree)
+        used_after = await asyncio.to_thread(gpu.used)
+        gpu_free_after = not left and used_after <= base + SLACK
+        looked = time.monotonic() - c
+        shell_job = needs_shell_job(server.init)
+        job = ["--shell-job"] if shell_job else []
+        c = time.monotonic()
+        await run_criu(
+            [criu, "dump", "-t", str(server.init), "-D", str(images), "-o", "dump.log", "--tcp-close",
+             "--leave-stopped", "--file-locks", "--skip-in-flight", *BARE_MOUNT_ARGS, *job],
+            lim.checkpoint, f"{tag}: criu dump", images / "dump.log",
+        )  # fmt: skip
+        criu_dump_s = time.monotonic() - c
+        c = time.monotonic()
+        await asyncio.to_thread(fsync_folder, images)
+        fsync_s = time.monotonic() - c
+        c = time.monotonic()
+        server.kill()
+        if not await wait_gone(tree, 60):
+            raise BenchError(f"{tag}: the dumped tree {tree} is still there 60 s after SIGKILL")
+        kill_s = time.monotonic() - c
+        dump_s = time.monotonic() - t - looked
+        image_bytes = sum(p.stat().st_size for p in images.iterdir() if p.name.endswith(".img"))
+        say(f"{tag}: GPU free after {gpu_free_s:.2f} s (freed: {gpu_free_after}), criu dump {criu_dump_s:.2f} s, "
+            f"fsync {fsync_s:.2f} s, kill {kill_s:.2f} s: on disk after {dump_s:.2f} s, "
+            f"image {image_bytes / GiB:.2f} GiB")  # fmt: skip
+
+        # restore: criu restore, driver restore + unlock, the same kernel answers
+        cold = False if KEEP_CACHE else drop_caches()
+        pidfile = folder / "restore.pid"
+        t = time.monotonic()
+        await run_criu(
+            [criu, "restore", "-D", str(images), "-d", "--pidfile", str(pidfile), "-o", "restore.log",
+             "--tcp-close", "--file-locks", *BARE_MOUNT_ARGS, "--root", "/", *job],
+            lim.restore, f"{tag}: criu restore", images / "restore.log",
+        )  # fmt: skip
+        criu_restore_s = time.monotonic() - t
+        restored = read_pidfile(pidfile) or 0
+        restored_started = started_at(restored)
+        if not restored:
+            raise BenchError(f"{tag}: criu restore wrote no pid to {pidfile}")
+        c = time.monotonic()
+        back = [
+            p
+            for p in tree_pids(restored)
+            if await asyncio.to_thread(cuda.state, p) == "checkpointed"
+        ]
+        for p in back:
+            await asyncio.to_thread(cuda.restore, p)
+            await asyncio.to_thread(cuda.unlock, p)
+        driver_restore_s = time.monotonic() - c
+        if len(back) != len(cuda_pids):
+            raise BenchError(
+                f"{tag}: {len(cuda_pids)} CUDA processes dumped, {len(back)} found checkpointed after the restore"
+            )
+        out = await execute_bare(
+            server, kernel, X_CELL, lim.cell, f"{tag}: print(x) after the restore"
+        )
+        restore_s = time.monotonic() - t
+        if out.strip() != "42":
+            raise BenchError(f"{tag}: print(x) in the restored kernel gave {out!r}, not 42")
+        out = await execute_bare(
+            server, kernel, DIGEST_CELL, lim.alloc, f"{tag}: the checksum cell after the restore"
+        )
+        after, _ = parse_digest(out, f"{tag}: checksum cell after the restore")
+        say(f"{tag}: criu restore {criu_restore_s:.2f} s, driver restore {driver_restore_s:.2f} s, kernel "
+            f"answered after {restore_s:.2f} s; intact: {after == checksum}")  # fmt: skip
+        rtree = tree_pids(restored)
+        kill_same(restored, restored_started)
+        await wait_gone(rtree, 60)
+        restored = 0
+        if not await gpu.wait_back_to(base):
+            say(f"{tag}: WARNING: GPU memory not back to {base / GiB:.2f} GiB used after the kill")
+        return {
+            "bare_gpu_bytes": gpu_bytes,
+            "bare_image_bytes": image_bytes,
+            "bare_gpu_free_s": round(gpu_free_s, 3),
+            "bare_criu_dump_s": round(criu_dump_s, 3),
+            "bare_fsync_s": round(fsync_s, 3),
+            "bare_kill_s": round(kill_s, 3),
+            "bare_dump_s": round(dump_s, 3),
+            "bare_criu_restore_s": round(criu_restore_s, 3),
+            "bare_driver_restore_s": round(driver_restore_s, 3),
+            "bare_restore_s": round(restore_s, 3),
+            "bare_gpu_free_after": gpu_free_after,
+            "bare_intact": after == checksum,
+            "bare_cold_cache": bool(cold),
+        }
+    finally:
+        kill_same(restored, restored_started)
+        server.kill()
+        live.remove(server)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------ the runs
+
+KEEP_CACHE = False  # --keep-cache
+COLUMNS = [
+    "gib", "gpu_gib", "image_gib", "time_to_gpu_free_s", "bare_gpu_free_s", "gpu_free_ratio",
+    "time_to_disk_s", "bare_dump_s", "disk_ratio", "click_to_kernel_s", "bare_restore_s", "click_ratio",
+    "restore_ratio",
+]  # fmt: skip
+CHECKS = ["gib", "intact", "bare_intact", "gpu_free_after", "bare_gpu_free_after", "restored",
+          "click_to_ready_s", "first_tensor_cell_s", "restore_s", "bare_criu_dump_s", "bare_fsync_s",
+          "bare_criu_restore_s", "bare_driver_restore_s"]  # fmt: skip
+
+
+def add_ratios(run: dict) -> None:
+    def ratio(ours: float, bare: float) -> float | None:
+        return round(ours / bare, 3) if ours and bare else None
+
+    run["gpu_free_ratio"] = ratio(run["time_to_gpu_free_s"], run["bare_gpu_free_s"])
+    run["disk_ratio"] = ratio(run["time_to_disk_s"], run["bare_dump_s"])
+    run["click_ratio"] = ratio(run["click_to_kernel_s"], run["bare_restore_s"] + 1.0)
+    bare = run["bare_criu_restore_s"] + run["bare_driver_restore_s"]
+    run["restore_ratio"] = ratio(run["restore_s"], bare)
+
+
+def summarise(gib: float, runs: list[dict], repeat: int) -> dict:
+    from gpu_suspend import median
+
+    row: dict = {"gib": gib, "repeat": repeat}
+    for k, v in runs[0].items():
+        values = [r.get(k) for r in runs]
+        if isinstance(v, bool):
+            row[k] = all(values)
+        elif isinstance(v, (int, float)) and all(isinstance(x, (int, float)) for x in values):
+            row[k] = median(values)
+        elif not isinstance(v, dict):
+            row[k] = v
+    row["gpu_gib"] = round(row["gpu_bytes"] / GiB, 2)
+    row["image_gib"] = round(row["image_bytes"] / GiB, 2)
+    row["runs"] = runs
+    return row
+
+
+def verdicts(rows: list[dict]) -> list[str]:
+    """Lines comparing each size's ratios with the targets; failed checks marked."""
+    lines = []
+    for r in rows:
+        parts = []
+        for key, label in (
+            ("gpu_free_ratio", "GPU free"),
+            ("disk_ratio", "disk"),
+            ("click_ratio", "click"),
+        ):
+            if r.get(key) is None:
+                parts.append(f"{label} n/a")
+                continue
+            ok = r[key] <= TARGETS[key]
+            parts.append(
+                f"{label} {r[key]:.3f}x (target <= {TARGETS[key]:.2f}) {'ok' if ok else 'OVER'}"
+            )
+        bad = [
+            k
+            for k in ("intact", "bare_intact", "gpu_free_after", "bare_gpu_free_after", "restored")
+            if not r[k]
+        ]
+        lines.append(
+            f"{r['gib']:g} GiB: "
+            + "; ".join(parts)
+            + (f"; FAILED: {', '.join(bad)}" if bad else "")
+        )
+    return lines
+
+
+def show_logs(hub, ckpt: Path) -> None:
+    """Print the ends of the Hub's and alice's server's logs (the machine may not outlive the run)."""
+    server_log = ckpt / USER / "_default" / "server.log"
+    for title, path in (("Hub log", hub.log_file), (f"{USER}'s server log", server_log)):
+        try:
+            lines = path.read_text(errors="replace").splitlines()[-40:]
+        except OSError:
+            continue
+        print(f"---- last lines of the {title} ({path})", flush=True)
+        print("\n".join(lines), flush=True)
+
+
+async def main(sizes: list[float], root: Path, repeat: int, name: str, torch_version: str) -> int:
+    criu = check_machine(root, sizes)
+    from realhub import RealHub
+
+    from jupyterhub_gpusnap.checkpoint.criu import criu_version
+    from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
+    from jupyterhub_gpusnap.checkpoint.local import LocalBackend
+
+    gpu = Gpu()
+    cuda = CudaCheckpoint()
+    ckpt = root / "checkpoints"
+    backend = LocalBackend(checkpoint_dir=str(ckpt), min_free_bytes=0)
+    await backend.setup()
+    for old in await backend.list(USER):  # a run cut short before leaves its image here
+        say(f"removing checkpoint {old.id} left by an earlier run")
+        await backend.delete(old.id)
+    for old in root.glob("bare-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    big = max(sizes)
+    config = HUB_CONFIG.format(
+        ckpt=str(ckpt), restore_timeout=int(120 + 8 * big), start_timeout=int(180 + 8 * big),
+        server_args=SERVER_ARGS,
+    )  # fmt: skip
+    hub = RealHub(Path(tempfile.mkdtemp(dir=root, prefix="hub-")), config, start_timeout=120)
+    live: list[BareServer] = []
+    rows: list[dict] = []
+    runs: list[dict] = []
+    extra = {
+        "sizes": sizes, "repeat": repeat, "dir": str(root), "dir_fs": filesystem_of(root),
+        "criu": await criu_version(criu), "torch": torch_version, "targets": TARGETS,
+        "hub_log": str(hub.log_file),
+    }  # fmt: skip
+    error = None
+    try:
+        say(f"starting the Hub in {hub.root} (log {hub.log_file})")
+        await bounded(hub.start(), 180, "starting the Hub")
+        for gib in sizes:
+            nbytes = max(MiB, int(gib * GiB) // MiB * MiB)
+            seed = 1000 + len(rows)
+            runs = []
+            for r in range(repeat):
+                bare_first = bool(r % 2)
+                say(
+                    f"{gib:g} GiB run {r + 1}/{repeat} ({'bare' if bare_first else 'gpusnap'} first)"
+                )
+                run: dict = {"bare_first": bare_first}
+                runs.append(run)  # partial_runs in the JSON if the run fails half-way
+                for which in ("bare", "gpusnap") if bare_first else ("gpusnap", "bare"):
+                    if which == "gpusnap":
+                        run.update(await gpusnap_run(hub, backend, gpu, gib, nbytes, seed))
+                    else:
+                        run.update(await bare_run(root, criu, cuda, gpu, gib, nbytes, seed, live))
+                add_ratios(run)
+            rows.append(summarise(gib, runs, repeat))
+            runs = []
+            write_json(name, rows, **extra, complete=len(rows) == len(sizes), error=None)
+    except (Exception, asyncio.CancelledError) as e:
+        if isinstance(e, asyncio.CancelledError):  # SIGTERM or Ctrl-C: clean up all the same
+            asyncio.current_task().uncancel()
+            error = "interrupted (SIGTERM or Ctrl-C)"
+        else:
+            error = f"{type(e).__name__}: {e}"
+        say(f"FAILED: {error}")
+        write_json(name, rows, **extra, complete=False, error=error, partial_runs=runs)
+        show_logs(hub, ckpt)
+    finally:
+        for server in list(live):
+            server.kill()
+        say("stopping the Hub and its servers")
+        try:
+            await asyncio.wait_for(hub.stop(), 120)
+        except Exception as e:  # the leftovers are killed by cwd; say so if even that failed
+            say(
+                f"stopping the Hub failed: {type(e).__name__}: {e}; check for processes under {hub.root}"
+            )
+    if rows:
+        print_table(rows, COLUMNS)
+        print_table(rows, CHECKS)
+        for line in verdicts(rows):
+            print(line, flush=True)
+    failed = error is not None or any(
+        not r[k] for r in rows for k in ("intact", "bare_intact", "gpu_free_after", "bare_gpu_free_after", "restored")
+    )  # fmt: skip
+    return 1 if failed else 0
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="A GPU notebook through a real Hub (suspend, then the user's click) against the bare recipe."
+    )
+    p.add_argument(
+        "sizes", nargs="*", type=float, help="GiB of GPU tensors per size (default 1 8 24)"
+    )
+    p.add_argument(
+        "--gib",
+        action="append",
+        type=float,
+        default=[],
+        help="a size in GiB (repeatable; fractions allowed)",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per size, the paths alternating (medians reported)",
+    )
+    p.add_argument(
+        "--dir", default="/tmp/gpusnap-bench", help="checkpoints, bare images and the Hub live here"
+    )
+    p.add_argument(
+        "--keep-cache", action="store_true", help="do not drop the page cache before restores"
+    )
+    p.add_argument(
+        "--out",
+        default="",
+        help="results file name (default gpu_notebook, or gpu_notebook_<sizes>)",
+    )
+    a = p.parse_args(argv)
+    a.sizes = (a.sizes or []) + a.gib or list(DEFAULT_SIZES)
+    if any(g <= 0 for g in a.sizes):
+        p.error("sizes must be positive GiB")
+    if a.repeat < 1:
+        p.error("--repeat must be at least 1")
+    if not a.out:
+        a.out = (
+            "gpu_notebook"
+            if a.sizes == DEFAULT_SIZES
+            else "gpu_notebook_" + "-".join(f"{g:g}" for g in a.sizes)
+        )
+    if not a.out.startswith("gpu_notebook") or "/" in a.out:
+        p.error("--out must be a name starting with gpu_notebook (written to bench/results/)")
+    return a
+
+
+def run(argv: list[str] | None = None) -> int:
+    global KEEP_CACHE
+    a = parse_args(argv)
+    KEEP_CACHE = a.keep_cache
+    say(f"sizes {' '.join(f'{g:g}' for g in a.sizes)} GiB, repeat {a.repeat}, dir {a.dir}")
+    torch_version = check_gpu_python()
+
+    async def guarded() -> int:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)  # a killed run still cleans up
+        return await main(a.sizes, Path(a.dir), a.repeat, a.out, torch_version)
+
+    return asyncio.run(guarded())
+
+
+if __name__ == "__main__":
+    sys.exit(run())
