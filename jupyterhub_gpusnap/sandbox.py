@@ -44,7 +44,6 @@ packages) so that the two helper processes cost a few MiB and start in milliseco
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 import signal
 import sys
@@ -151,7 +150,9 @@ _libc = None
 def _call(name: str, *args) -> None:
     global _libc
     if _libc is None:
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        # the C library this Python already runs on (find_library would fork ldconfig,
+        # which took PID 2 in the namespace and could pass for the init on the host)
+        _libc = ctypes.CDLL(None, use_errno=True)
     if getattr(_libc, name)(*args) != 0:
         err = ctypes.get_errno()
         raise OSError(err, f"{name}: {os.strerror(err)}")
@@ -202,6 +203,9 @@ def _launcher(log: str, user: str | None, cmd: list[str]) -> None:
         os._exit(1)
     init = 0
     _forward_to(lambda: init)
+    # Blocked until each process can pass them on: the kernel drops a signal sent to a
+    # namespace's init that has no handler yet, but keeps a blocked one pending.
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     init = os.fork()
     if init == 0:
         try:
@@ -211,6 +215,7 @@ def _launcher(log: str, user: str | None, cmd: list[str]) -> None:
         except OSError as e:
             _say(f"cannot start the server's init: {e}")
         os._exit(1)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     while True:
         pid, status = os.waitpid(init, 0)
         if pid == init:
@@ -235,6 +240,7 @@ def _init(log: str, user: str | None, cmd: list[str]) -> None:
     server = os.fork()
     if server == 0:
         _server(user, cmd)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # blocked since the launcher
     status = None
     while True:
         try:
@@ -251,6 +257,7 @@ def _init(log: str, user: str | None, cmd: list[str]) -> None:
 def _server(user: str | None, cmd: list[str]) -> None:
     for s in FORWARDED:
         signal.signal(s, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
     try:
         os.setsid()
         if user is not None:

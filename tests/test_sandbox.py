@@ -380,6 +380,24 @@ def test_sigterm_to_the_init_stops_a_shell_that_does_not_exec(sandboxed):
     wait_until(lambda: not is_alive(sleep), "the shell's sleep outlived the stopped server")
 
 
+def test_a_sigterm_sent_as_the_init_appears_is_not_lost(sandboxed):
+    """A stop right after start(): the signal reaches the init before it has its handlers
+    (the kernel would drop it); it must wait, blocked, and then stop the server."""
+    for _ in range(5):
+        sb = sandboxed(["sleep", "1000"])
+        os.kill(sb.init, signal.SIGTERM)  # as soon as the init's pid is known
+        assert sb.wait(timeout=10) == -signal.SIGTERM, sb.text()
+
+
+def test_the_spawners_pid_is_the_init(sandboxed):
+    """The launcher's only child, from its first moment, is the init (no helper process
+    such as ldconfig, which once made the spawner record a pid that was gone at once)."""
+    for _ in range(10):
+        sb = sandboxed(["sleep", "1000"])
+        kids = wait_until(lambda sb=sb: psutil.Process(sb.proc.pid).children(), "no child")
+        assert [k.pid for k in kids] == [sb.init], sb.text()
+
+
 def test_sigkill_of_the_server_reads_minus_9(sandboxed):
     sb = sandboxed(["sleep", "1000"])
     os.kill(sb.server, signal.SIGKILL)
@@ -460,13 +478,9 @@ def test_inside_the_sandbox(sandboxed):
     assert psutil.Process(sb.proc.pid).children() == [psutil.Process(init)]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="docs/sandbox.md says the server is PID 2, but the init's first ctypes call runs "
-    "ctypes.util.find_library('c'), which forks /sbin/ldconfig -p inside the new namespace "
-    "(PID 2): the server is PID 3",
-)
 def test_the_server_is_pid_2(sandboxed):
+    """Nothing runs in the namespace before the server (the init loads no library by
+    forking ldconfig, which once took PID 2 and could pass for the init on the host)."""
     sb = sandboxed([sys.executable, "-c", INSIDE])
     sb.wait_log("ready")
     assert ns_pid(sb.server) == 2
