@@ -62,6 +62,7 @@ the ends of the Hub's and alice's server's logs are printed. Exit status 1 when 
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import os
 import secrets
@@ -845,7 +846,10 @@ def show_logs(hub, ckpt: Path) -> None:
         print("\n".join(lines), flush=True)
 
 
-async def main(sizes: list[float], root: Path, repeat: int, name: str, torch_version: str) -> int:
+async def main(
+    sizes: list[float], root: Path, repeat: int, name: str, torch_version: str,
+    settings: dict | None = None,
+) -> int:
     criu = check_machine(root, sizes)
     from realhub import RealHub
 
@@ -856,7 +860,8 @@ async def main(sizes: list[float], root: Path, repeat: int, name: str, torch_ver
     gpu = Gpu()
     cuda = CudaCheckpoint()
     ckpt = root / "checkpoints"
-    backend = LocalBackend(checkpoint_dir=str(ckpt), min_free_bytes=0)
+    settings = settings or {}
+    backend = LocalBackend(checkpoint_dir=str(ckpt), min_free_bytes=0, **settings)
     await backend.setup()
     for old in await backend.list(USER):  # a run cut short before leaves its image here
         say(f"removing checkpoint {old.id} left by an earlier run")
@@ -873,7 +878,7 @@ async def main(sizes: list[float], root: Path, repeat: int, name: str, torch_ver
     rows: list[dict] = []
     runs: list[dict] = []
     extra = {
-        "sizes": sizes, "repeat": repeat, "dir": str(root), "dir_fs": filesystem_of(root),
+        "sizes": sizes, "repeat": repeat, "backend_settings": settings, "dir": str(root), "dir_fs": filesystem_of(root),
         "criu": await criu_version(criu), "torch": torch_version, "targets": TARGETS,
         "hub_log": str(hub.log_file),
     }  # fmt: skip
@@ -958,6 +963,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--keep-cache", action="store_true", help="do not drop the page cache before restores"
     )
     p.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="TRAIT=VALUE",
+        help="a LocalBackend setting for the gpusnap path (repeatable), e.g. writeback_during_dump=False",
+    )
+    p.add_argument(
         "--out",
         default="",
         help="results file name (default gpu_notebook, or gpu_notebook_<sizes>)",
@@ -990,7 +1002,8 @@ def run(argv: list[str] | None = None) -> int:
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, task.cancel)  # a killed run still cleans up
-        return await main(a.sizes, Path(a.dir), a.repeat, a.out, torch_version)
+        settings = {k: ast.literal_eval(v) for k, _, v in (o.partition("=") for o in a.backend)}
+        return await main(a.sizes, Path(a.dir), a.repeat, a.out, torch_version, settings)
 
     return asyncio.run(guarded())
 

@@ -15,8 +15,7 @@ is kept, marked ``failed``, for diagnosis.
 and non-empty, CRIU's log ends with its success line, every file's checksum is recorded
 in the manifest, and every file (and the folder) is ``fsync``'ed — the disk holds it.
 The checksums are taken from the page cache, in parallel (``hash_threads``), while the
-files are flushed, and the disk writes start while CRIU is still dumping
-(``writeback_during_dump``): a checkpoint costs little more than a bare ``criu dump``.
+files are flushed: a checkpoint costs about what a bare ``criu dump`` and ``fsync`` cost.
 The image is *not* read back from the disk: a disk that acknowledges an fsync and then
 returns other data is caught at restore, where every checksum is checked (the server then
 starts afresh and the image is kept, marked ``failed``). Admins who want the image read
@@ -264,10 +263,13 @@ class LocalBackend(CheckpointBackend):
     ).tag(config=True)
 
     writeback_during_dump = Bool(
-        True,
+        False,
         help="""Ask the kernel to start writing image files to the disk while CRIU is still
-        dumping (sync_file_range), so that the final fsync has little left to wait for.
-        Turn off only if it competes with other disk traffic you care more about.""",
+        dumping (sync_file_range), so that the final fsync has less left to wait for. Off by
+        default: on an H100 machine whose disk flushes faster than CRIU dumps, it made a
+        suspension's time to disk 1.24-1.30x a bare dump + fsync (8 and 24 GiB), against
+        0.95-0.98x without it, because CRIU's writes then wait for pages under writeback
+        (docs/performance.md). Try it where the disk is much slower than the dump.""",
     ).tag(config=True)
 
     storage = Enum(
