@@ -687,6 +687,14 @@ async def bare_run(root: Path, criu: str, cuda, gpu: Gpu, gib: float, nbytes: in
         server.kill()
         if not await wait_gone(tree, 60):
             raise BenchError(f"{tag}: the dumped tree {tree} is still there 60 s after SIGKILL")
+        # a process with tens of GiB closes its sockets only after its memory is freed: CRIU
+        # cannot restore the listener before the port is free (the product waits the same way)
+        from jupyterhub_gpusnap.checkpoint.local import port_holder
+
+        while port_holder("127.0.0.1", server.port):
+            if time.monotonic() - c > 60:
+                raise BenchError(f"{tag}: port {server.port} still taken 60 s after SIGKILL")
+            await asyncio.sleep(0.05)
         kill_s = time.monotonic() - c
         dump_s = time.monotonic() - t - looked
         image_bytes = sum(p.stat().st_size for p in images.iterdir() if p.name.endswith(".img"))

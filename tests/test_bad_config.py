@@ -74,6 +74,11 @@ CASES = [
         ["/nonexistent/keys", "keys --new", "chmod 600"],
     ),
     (
+        "criu-too-quiet-to-verify",
+        'c.GpuSnap.action = "suspend"\nc.LocalBackend.dump_extra_args = ["-v2"]',
+        ["LocalBackend.dump_extra_args", "'-v2'", "Dumping finished successfully", "-v3"],
+    ),
+    (
         "config-file-does-not-run",
         "c.GpuSnap.interval = (",
         ["config file", "SyntaxError"],

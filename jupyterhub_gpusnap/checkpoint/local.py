@@ -215,6 +215,17 @@ class LocalBackend(CheckpointBackend):
         or ['--ext-unix-sk']).""",
     ).tag(config=True)
 
+    @validate("dump_extra_args")
+    def _check_dump_extra_args(self, proposal):
+        for arg in proposal["value"]:
+            if re.fullmatch(r"-v[0-2]", arg):
+                raise TraitError(
+                    f"LocalBackend.dump_extra_args has {arg!r}: below -v3 CRIU does not log "
+                    "'Dumping finished successfully', which a checkpoint needs to be verified (every "
+                    "suspension would fail); leave the verbosity out or use -v3 or more"
+                )
+        return proposal["value"]
+
     restore_extra_args = List(Unicode(), help="Extra arguments for every 'criu restore'.").tag(
         config=True
     )
