@@ -52,8 +52,10 @@ def banner(url: str, root: Path, idle: int) -> str:
          1. Start a notebook, run   x = 42   in a cell, and leave it alone.
          2. After {idle // 2} s idle you get a warning email (printed here, saved in {root}/mail).
          3. After {idle} s idle the server is checkpointed with CRIU, verified and stopped.
-         4. Open {url}/hub/home again: the server is restored, same kernel, x is still 42.
+         4. Come back: the open Lab tab says the server is suspended and offers Restore
+            (or open {url}/hub/home): same kernel, x is still 42.
          Service pages: {url}/services/gpusnap/  ·  checkpoints: {root}/checkpoints
+         Every server, as admin (password "demo"): {url}/services/gpusnap/admin
          Ctrl-C stops the demo; the Hub stops every running server (kernels that were not
          suspended are lost), suspended servers keep their checkpoints.
         ──────────────────────────────────────────────────────────────────────────────
