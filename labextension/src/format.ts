@@ -338,3 +338,23 @@ export function history(status: IStatus | null, now: number, tz?: string, limit 
     };
   });
 }
+
+/** Polls a tab whose server is gone makes of the server itself, one in this many. */
+export const GONE_PROBE_EVERY = 6;
+
+/**
+ * Whether a tab whose server is gone should ask the server itself on this poll: when the
+ * service cannot say (null), when the service sees it running or no longer suspended, and
+ * otherwise one poll in GONE_PROBE_EVERY (a restore from another tab shows within a minute).
+ * Every other poll asks the service only, so a forgotten tab does not fill the Hub's log
+ * with a 424 every few seconds.
+ */
+export function probeServer(service: IStatus | null, poll: number): boolean {
+  if (!service || service.running) {
+    return true;
+  }
+  if (!['suspended', 'suspending'].includes(service.state)) {
+    return true;
+  }
+  return poll % GONE_PROBE_EVERY === 0;
+}

@@ -33,6 +33,7 @@ import {
   idleSeconds,
   IStatus,
   keepChoices,
+  probeServer,
   stateWords,
   statusLine
 } from './format';
@@ -78,6 +79,8 @@ class Model {
   busy = false;
   /** The Hub says this server is not running (its answers come from the service, if any). */
   gone = false;
+  /** Polls since the server went (most ask the service only: see probeServer). */
+  private gonePolls = 0;
   restoring = false;
   /** Called once the server answers again after being gone. */
   onBack: () => Promise<void> = async () => undefined;
@@ -104,12 +107,21 @@ class Model {
   }
 
   async refresh(): Promise<void> {
+    if (this.gone && !this.restoring) {
+      const known = await this.fromService();
+      if (!probeServer(known, ++this.gonePolls)) {
+        this.status = known;
+        this.emit();
+        return;
+      }
+    }
     try {
       const status = await this.request('status');
       const back = this.gone;
       this.status = status;
       this.error = null;
       this.gone = false;
+      this.gonePolls = 0;
       if (!this.service) {
         this.service = await this.request('service').catch(() => null);
       }

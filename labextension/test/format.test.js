@@ -158,3 +158,12 @@ test('the keep choice selected at first is 1 h, as on the service pages', () => 
   assert.equal(f.defaultKeep(f.keepChoices(1200)), 1200); // only the maximum
   assert.equal(f.defaultKeep(f.keepChoices(0)), null);
 });
+
+test('a tab whose server is suspended asks the service, and the server only now and then', () => {
+  const suspended = status({ state: 'suspended', running: false });
+  const asked = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12].filter(n => f.probeServer(suspended, n));
+  assert.deepEqual(asked, [6, 12]);
+  assert.equal(f.probeServer(null, 1), true); // the service cannot say: ask the server
+  assert.equal(f.probeServer(status({ state: 'active', running: true }), 1), true); // back
+  assert.equal(f.probeServer(status({ state: 'restoring', running: false }), 1), true);
+});
