@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -747,6 +748,8 @@ class Watcher(LoggingConfigurable):
         self.log.info("%s: keep-running ended (%s)", status.key, why)
 
     def request_keep(self, key: str, until: float) -> ServerStatus:
+        if not math.isfinite(until):  # checked before anything changes
+            raise ValueError("the keep-running end must be a finite time")
         status = self.store.get(key)
         if status is None:
             raise KeyError(key)

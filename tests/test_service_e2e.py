@@ -194,6 +194,14 @@ async def test_access_control(hub_factory, tmp_path):
     assert code == 400 and "seconds" in data["message"]
     code, data = await service.api("POST", "api/servers/alice/keep", b"not json", token=alice)
     assert code == 400
+    # a rejected request changes nothing: the keep-running set above stands
+    for bad in (b'{"until": NaN}', b'{"seconds": NaN}', b'{"until": Infinity}'):
+        code, data = await service.api("POST", "api/servers/alice/keep", bad, token=alice)
+        assert code == 400 and ("until" in data["message"] or "seconds" in data["message"]), data
+        still = await service.server_status("alice/")
+        assert still["keep_until"] is not None and still["state"] == "active", (bad, still)
+        held = datetime.fromisoformat(still["keep_until"].replace("Z", "+00:00")).timestamp()
+        assert held == keep, (bad, still)
     # exempting needs the admin scope
     assert (await service.api("POST", "api/servers/alice/exempt", {}, token=alice))[0] == 403
     code, data = await service.api("POST", "api/servers/alice/exempt", {"exempt": True})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from datetime import datetime
 
@@ -68,12 +69,17 @@ def parse_until(body: dict, now: float) -> float:
     """keep-running body: {"seconds": N} or {"until": ISO 8601 or epoch seconds}."""
     if "seconds" in body:
         seconds = body["seconds"]
-        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds <= 0:
+        if (
+            isinstance(seconds, bool)
+            or not isinstance(seconds, (int, float))
+            or not math.isfinite(seconds)
+            or seconds <= 0
+        ):
             raise web.HTTPError(400, "'seconds' must be a positive number of seconds, e.g. {\"seconds\": 3600}")
         return now + float(seconds)
     if "until" in body:
         until = body["until"]
-        if isinstance(until, (int, float)) and not isinstance(until, bool):
+        if isinstance(until, (int, float)) and not isinstance(until, bool) and math.isfinite(until):
             return float(until)
         if isinstance(until, str):
             try:
