@@ -395,7 +395,11 @@ class SnapSpawnerMixin(LocalProcessSpawner):
                 self.log.error(
                     "%s: cannot mark checkpoint %s failed: %s", self.server_key, info.id, e
                 )
-        self._revoke(await self._resume_token(info))
+        try:
+            token = await self._resume_token(info)
+        except CheckpointRefused:
+            token = ""  # sealed with a key that is gone: nothing to revoke it by
+        self._revoke(token)
         self.snapshot = {}
         self.proc = None
         self.pid = 0
@@ -410,6 +414,8 @@ class SnapSpawnerMixin(LocalProcessSpawner):
         get = getattr(self.backend, "resume_token", None)
         try:
             return (await get(info.id)) if get else ""
+        except CheckpointRefused:
+            raise  # its key is missing: not now, and not lost (start() fails, the snapshot stays)
         except Exception as e:
             self.log.warning("%s: cannot read the token of %s: %s", self.server_key, info.id, e)
             return ""

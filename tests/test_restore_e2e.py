@@ -245,3 +245,47 @@ async def test_stop_during_a_suspension_waits_for_it(hub_factory, tmp_path):
     assert out == "42"
     _, out = await hub.execute("dave", "print('dave')")
     assert out.strip() == "dave"
+
+
+async def test_a_missing_encryption_key_keeps_the_snapshot_until_it_is_back(hub_factory, tmp_path):
+    """The key that sealed a snapshot is missing from the key file (rotated away too early):
+    the spawn fails naming the key and the fix, the snapshot stays verified, and once the key
+    is back the next start restores the same kernel (it was marked failed and lost)."""
+    from jupyterhub_gpusnap.checkpoint.keys import new_key_line
+
+    ckpt = tmp_path / "ckpt"
+    keys = tmp_path / "keys"
+    keys.write_text(new_key_line("k1") + "\n")
+    keys.chmod(0o600)
+    original = keys.read_text()
+    settings = (
+        'c.LocalBackend.storage = "chunks"\n'
+        f"c.LocalBackend.encryption_key_file = {str(keys)!r}\n"
+    )
+    hub = await hub_factory(snap_config(ckpt, settings))
+    backend = service_backend(ckpt, storage="chunks", encryption_key_file=str(keys))
+    await hub.start_server("alice")
+    kid, _ = await hub.execute("alice", "x = 42")
+    info = await suspend(hub, backend, "alice")
+
+    keys.write_text(new_key_line("k2") + "\n")  # k1 dropped: the snapshot cannot be opened
+    status, data = await hub.api("POST", "/users/alice/server")
+    assert status in (201, 202, 500), data  # 500: the spawn failed before the API answered
+
+    async def spawn_failed():
+        return await hub.get_server("alice") is None and "cannot restore" in hub.log_text()
+
+    for _ in range(300):
+        if await spawn_failed():
+            break
+        await asyncio.sleep(0.1)
+    assert await spawn_failed(), hub.log_tail()
+    log = hub.log_text()
+    assert "'k1'" in log and "encryption_key_file" in log, hub.log_tail()
+    assert Manifest.load(backend.folder(info.id)).status == "verified"  # not failed, not lost
+
+    keys.write_text(original)  # the admin puts the key back
+    await hub.start_server("alice")
+    kid2, out = await hub.execute("alice", "print(x)", kernel_id=kid)
+    assert kid2 == kid and out.strip() == "42"
+    assert Manifest.load(backend.folder(info.id)).status == "restored"

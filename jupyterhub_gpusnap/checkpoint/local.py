@@ -788,6 +788,19 @@ class LocalBackend(CheckpointBackend):
             m.verification = "read-back"
         m.seal_seconds = round(time.monotonic() - t, 3)
 
+    def _restore_store(self, m: Manifest, key: str, cid: str) -> ChunkStore:
+        """The chunk store with the key ``m``'s chunks are sealed with, or refuse: a missing
+        key (or key file) is the admin's to put back, and the snapshot stays restorable."""
+        try:
+            store = self.chunk_store()
+            store.require_key(m.key_id)
+        except (KeyFileError, ValueError) as e:
+            raise CheckpointRefused(
+                f"{key}: cannot restore {cid} now: {e}. The snapshot is kept; once the key is "
+                "back in LocalBackend.encryption_key_file the next start restores it"
+            ) from e
+        return store
+
     def _chunk_store_or_fail(self) -> ChunkStore:
         try:
             return self.chunk_store()
@@ -962,19 +975,25 @@ class LocalBackend(CheckpointBackend):
     async def resume_token(self, checkpoint_id: str) -> str:
         """The Hub API token the checkpointed server holds ('' if it had none)."""
         try:
-            token = Manifest.load(self.folder(checkpoint_id)).api_token
+            m = Manifest.load(self.folder(checkpoint_id))
         except (OSError, ValueError):
             return ""
+        token = m.api_token
         if token.startswith("sealed:"):
             sealed = bytes.fromhex(token[len("sealed:") :])
-            for key in self.keys():
+            try:
+                keys = self.keys()
+            except KeyFileError as e:
+                raise CheckpointRefused(f"checkpoint {checkpoint_id}: {e}") from e
+            for key in keys:
                 try:
                     return key.open(sealed, b"api_token").decode()
                 except ValueError:
                     continue
-            raise CheckpointError(
-                f"checkpoint {checkpoint_id}: its API token is sealed with a key that is not in "
-                f"{self.encryption_key_file or 'LocalBackend.encryption_key_file (unset)'}: put that key back"
+            raise CheckpointRefused(
+                f"cannot restore checkpoint {checkpoint_id} now: it is sealed with key {m.key_id!r}, "
+                f"which is not in LocalBackend.encryption_key_file ({self.encryption_key_file or 'unset'}): "
+                "put that key back; the snapshot is kept and the next start restores it"
             )
         return token
 
@@ -1128,11 +1147,7 @@ class LocalBackend(CheckpointBackend):
         if m.storage == "chunks" and self.restore_streaming:
             # CRIU reads the image from the streamer, which checks every chunk before CRIU
             # gets its bytes; the tree is handed out only if the streamer found nothing wrong.
-            store = self._chunk_store_or_fail()
-            try:
-                store.require_key(m.key_id)
-            except ValueError as e:
-                raise CheckpointError(f"{key}: cannot restore {info.id}: {e}") from e
+            store = self._restore_store(m, key, info.id)
             images = self._stream_dir()
             threads = self.hash_threads or os.cpu_count() or 1
             streamer = ChunkStreamer(
@@ -1163,7 +1178,7 @@ class LocalBackend(CheckpointBackend):
         if m.storage == "chunks":
             # Every chunk is checked against its id while it is unpacked: nothing runs from
             # a damaged image. The unpacked files only feed CRIU and go afterwards.
-            store = self._chunk_store_or_fail()
+            store = self._restore_store(m, key, info.id)
             images = self._staging(folder, m.image_bytes, key)
             try:
                 problems = await asyncio.to_thread(store.unpack, m.key_id, m.chunks, m.sizes, images)
