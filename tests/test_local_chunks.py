@@ -228,3 +228,37 @@ async def test_setup_removes_images_an_interrupted_restore_left_unpacked(tmp_pat
     os.utime(other, (1, 1))
     await make_backend(tmp_path, restore_staging_dir=str(stage)).setup()
     assert not old.exists() and fresh.exists() and other.exists()
+
+
+async def test_a_failed_encrypted_checkpoint_leaves_no_plaintext_memory(
+    tmp_path, process_tree, key_file
+):
+    """CRIU wrote the raw image (the server's memory, unencrypted) and then the dump failed:
+    the server runs on and none of those files stay on the disk, at once or after a crash
+    of the service mid-dump (recover)."""
+    hook = tmp_path / "fail-after-pages.sh"
+    hook.write_text('#!/bin/sh\n[ "$CRTOOLS_SCRIPT_ACTION" = post-dump ] && exit 1\nexit 0\n')
+    hook.chmod(0o700)
+    backend = make_backend(
+        tmp_path, encryption_key_file=str(key_file), dump_extra_args=["--action-script", str(hook)]
+    )
+    tree = process_tree(pidns=True)
+    await tree.wait_ready()
+    before = await tree.ask("inc")
+    with pytest.raises(CheckpointError, match="raw image files"):
+        await backend.checkpoint(server_of(tree))
+    (folder,) = [p.parent for p in backend.root.glob("alice/*/*/" + MANIFEST)]
+    m = Manifest.load(folder)
+    assert m.status == "failed" and m.storage == "chunks"
+    assert not list(folder.glob("pages-*.img")) and not list(folder.glob("*.img"))
+    assert (folder / "dump.log").exists()  # the log stays for diagnosis
+    assert (await tree.ask("inc"))["count"] == before["count"] + 1  # the server runs on
+
+    # a service killed mid-dump: the manifest still says "writing", raw pages on the disk
+    (folder / "pages-1.img").write_bytes(b"\0" * 4096 + TOKEN.encode())
+    m.status = "writing"
+    m.save(folder)
+    fresh = make_backend(tmp_path, encryption_key_file=str(key_file))
+    await fresh.recover()
+    assert Manifest.load(folder).status == "failed"
+    assert not list(folder.glob("pages-*.img")), "plaintext memory left after recovery"

@@ -671,6 +671,9 @@ class LocalBackend(CheckpointBackend):
             gpu_count=int(inv.get("gpu_count", 0)),
             gpu_bytes=int(inv.get("gpu_bytes", 0)),
             driver_version=inv.get("driver_version", ""),
+            # the storage it is written for, from the start: a failed or interrupted chunk
+            # checkpoint's raw files (plaintext memory) are then known to be deleted
+            storage=self.storage,
         )
         m.extra["tree"] = pids
         m.extra["started"] = boot_clock()  # processes older than this are the suspended server
@@ -891,6 +894,12 @@ class LocalBackend(CheckpointBackend):
             except Exception as e:
                 why += f"; resuming GPU memory failed too: {e}"
         full = _disk_full(why, folder)
+        if m.storage == "chunks" and not full:
+            # CRIU's raw files of a chunk checkpoint are the server's memory unencrypted and
+            # of no use once it failed (the server runs on): never left on the disk
+            freed = await asyncio.to_thread(_drop_image_files, folder)
+            if freed:
+                why += f"; its raw image files ({freed / 2**20:.1f} MiB of the server's memory) were deleted"
         while True:
             if full:
                 # A half-written image is of no use (the server runs on) and keeps every
@@ -1443,8 +1452,12 @@ class LocalBackend(CheckpointBackend):
         """
         done = []
         for folder, m in self._load_all():
-            if m.storage == "chunks" and m.status != "writing":
-                _drop_image_files(folder)  # raw files a crash left after packing
+            if m.status != "writing" and (
+                m.storage == "chunks" or (m.status == "failed" and self.encryption_key_file)
+            ):
+                # raw files a crash left after packing, or of a failed checkpoint on a host
+                # that encrypts at rest (older versions recorded "files" until packed)
+                _drop_image_files(folder)
             if m.status != "writing":
                 continue
             key = server_key(m.user, m.server)
@@ -1477,6 +1490,8 @@ class LocalBackend(CheckpointBackend):
                 await self._fail(folder, m, key, tree, m.cuda_pids or tree, why)
             else:
                 m.status, m.error = "failed", why + " and the process is gone"
+                if m.storage == "chunks":
+                    _drop_image_files(folder)
                 m.save(folder)
                 self.log.error(
                     "%s: checkpoint %s failed at recovery: %s", key, self._id(folder), m.error
