@@ -9,7 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
+import secrets
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -183,3 +186,48 @@ def process_tree(tmp_path):
     yield make
     for tree in trees:
         tree.kill()
+
+
+# ---------------------------------------------------------------- real Unix users
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def has_cap_sys_resource() -> bool:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> 24 & 1)
+    return False
+
+
+@pytest.fixture
+def traversable():
+    """Let other users reach the Hub's Python and this checkout (o+x on the folders above
+    them, as an install under /opt would have): a clone under /root is 0700. Put back after."""
+    changed: list[tuple[Path, int]] = []
+    for target in (Path(sys.executable).resolve(), Path(sys.executable).parent, REPO):
+        for folder in [target, *target.parents] if target.is_dir() else target.parents:
+            mode = folder.stat().st_mode
+            if not mode & stat.S_IXOTH:
+                changed.append((folder, mode))
+                os.chmod(folder, stat.S_IMODE(mode) | stat.S_IXOTH)
+    yield
+    for folder, mode in reversed(changed):
+        os.chmod(folder, stat.S_IMODE(mode))
+
+
+@pytest.fixture
+def system_users():
+    """``make()`` adds a real Unix user (useradd -m); all of them and their processes go at teardown."""
+    made: list[str] = []
+
+    def make() -> pwd.struct_passwd:
+        name = f"gsu{secrets.token_hex(3)}"
+        subprocess.run(["useradd", "-m", "-s", "/bin/bash", name], check=True)
+        made.append(name)
+        return pwd.getpwnam(name)
+
+    yield make
+    for name in made:
+        subprocess.run(["pkill", "-KILL", "-u", name], check=False)
+        subprocess.run(["userdel", "-r", "-f", name], check=False, capture_output=True)

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import pynvml
 import pytest
+from conftest import has_cap_sys_resource
 from gpusnap_service import GpuSnapService
 from smtp_server import SmtpServer
-from test_real_users import has_cap_sys_resource, system_users, traversable  # noqa: F401
 from test_suspend_e2e import settings
 
 from jupyterhub_gpusnap.procs import tree_pids
@@ -52,7 +52,7 @@ def gpu_used() -> tuple[int, set[int]]:
 
 
 async def test_gpu_notebook_is_suspended_by_the_service_and_comes_back(
-    hub_factory, tmp_path, system_users, traversable  # noqa: F811
+    hub_factory, tmp_path, system_users, traversable
 ):
     pynvml.nvmlInit()
     ckpt = tmp_path / "checkpoints"

@@ -15,16 +15,11 @@ whichever the host allows, and that the other user can read neither case's files
 
 from __future__ import annotations
 
-import os
-import pwd
-import secrets
-import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
+from conftest import has_cap_sys_resource
 
 from jupyterhub_gpusnap.checkpoint.base import CheckpointRefused
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend
@@ -34,49 +29,6 @@ from jupyterhub_gpusnap.model import Server
 pytestmark = [pytest.mark.e2e, pytest.mark.criu]
 
 PLAIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-REPO = Path(__file__).resolve().parent.parent
-
-
-def has_cap_sys_resource() -> bool:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> 24 & 1)
-    return False
-
-
-@pytest.fixture
-def traversable():
-    """Let other users reach the Hub's Python and this checkout (o+x on the folders above
-    them, as an install under /opt would have): a clone under /root is 0700. Put back after."""
-    changed: list[tuple[Path, int]] = []
-    for target in (Path(sys.executable).resolve(), Path(sys.executable).parent, REPO):
-        for folder in [target, *target.parents] if target.is_dir() else target.parents:
-            mode = folder.stat().st_mode
-            if not mode & stat.S_IXOTH:
-                changed.append((folder, mode))
-                os.chmod(folder, stat.S_IMODE(mode) | stat.S_IXOTH)
-    yield
-    for folder, mode in reversed(changed):
-        os.chmod(folder, stat.S_IMODE(mode))
-
-
-@pytest.fixture
-def system_users():
-    """``make()`` adds a real Unix user (useradd -m); all of them and their processes go at teardown."""
-    made: list[str] = []
-
-    def make() -> pwd.struct_passwd:
-        name = f"gsu{secrets.token_hex(3)}"
-        subprocess.run(["useradd", "-m", "-s", "/bin/bash", name], check=True)
-        made.append(name)
-        return pwd.getpwnam(name)
-
-    yield make
-    for name in made:
-        subprocess.run(["pkill", "-KILL", "-u", name], check=False)
-        subprocess.run(["userdel", "-r", "-f", name], check=False, capture_output=True)
-
-
 def users_config(ckpt: Path) -> str:
     return f"""
 c.JupyterHub.spawner_class = "jupyterhub_gpusnap.spawner.SnapLocalProcessSpawner"

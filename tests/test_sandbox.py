@@ -37,6 +37,7 @@ from jupyterhub_gpusnap.procs import tree_pids
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from conftest import has_cap_sys_resource  # noqa: E402
 from realhub import free_port  # noqa: E402
 
 PLAIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -136,13 +137,6 @@ def ids(pid: int) -> dict[str, list[int]]:
         if key in ("Uid", "Gid", "Groups"):
             found[key] = [int(v) for v in value.split()]
     return found
-
-
-def has_cap_sys_resource() -> bool:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> 24 & 1)
-    return False
 
 
 def ask(port: int, cmd: str = "get", timeout: float = 10) -> dict:
