@@ -2,11 +2,38 @@
 
 from __future__ import annotations
 
+import random
 import socket
+
+_given: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (bound, then released)."""
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, below the kernel's
+    ephemeral range: a port from that range, released, can be handed to any outgoing
+    connection (or to JupyterHub's own random_port) before the server that asked for it
+    binds it, which made a service fail with "Address already in use". Never the same
+    port twice in one test run."""
+    low = min(_ephemeral_low(), 61000)
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 16000), low)
+        if port in _given:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _given.add(port)
+        return port
+    with socket.socket() as s:  # below the range is full: fall back to the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
