@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import inspect
+import math
 import re
 import socket
 import ssl
@@ -62,19 +63,101 @@ DIGEST_KEY = "*"
 TEMPLATE_DIR = Path(__file__).parent / "templates" / "email"
 
 _ADDRESS_RE = re.compile(r"[^@\s<>,;:\"'()\[\]]+@[^@\s<>,;:\"'()\[\]]+")
-# Things that look like credentials, for scrubbing error text before it reaches an email or a log.
-_SECRET_RES = (
-    re.compile(
-        r"(?i)\b(token|api_token|access_token|password|passwd|secret|authorization)(\s*[=:]\s*|\s+)(token\s+|bearer\s+)?[^\s&\"',;]+"
-    ),
-    re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/\s:@]+:)[^@\s/]+@"),
+
+# Scrubbing error text before it reaches an email (or a log line): credentials go, words stay.
+# A value: what follows a key up to a space, quote or separator; never a placeholder (<token>).
+_VALUE = r"(?!<|\[redacted\])[^\s\"'&,;()<>\[\]]+"
+# Names that hold a credential, alone or at the end of a compound name (smtp_password, api-key).
+_KEY = (
+    r"(?:[a-z0-9]+[_-])*(?:token|password|passwd|pwd|secret|api[_-]?key|access[_-]?key"
+    r"|private[_-]?key|credentials?)"
 )
+# Authorization headers: the scheme stays, the credential goes.
+_AUTH_RE = re.compile(
+    r"(?i)\b((?:proxy-)?authorization[\"']?\s*[:=]\s*[\"']?(?:(?:bearer|token|basic)\s+)?)"
+    r"(?!(?:bearer|token|basic)\s)(" + _VALUE + ")"
+)
+# key=value, key: value, "key": "value", ?key=value
+_KEYVALUE_RE = re.compile(
+    r"(?i)(?<![\w-])(" + _KEY + r")([\"']?\s*([=:])\s*[\"']?)(" + _VALUE + ")"
+)
+# a scheme's credential given as a word: "Bearer <credential>", "token <credential>"
+_SCHEME_RE = re.compile(r"(?i)\b(bearer|token|basic)(\s+)(" + _VALUE + ")")
+# user:password@ in a URL
+_USERINFO_RE = re.compile(r"(?i)(\b[a-z][a-z0-9+.-]*://[^/\s:@]+:)[^@\s/]+@")
+# long hex strings (Hub tokens are 32 hex digits, sealed tokens longer)
+_HEX_RE = re.compile(r"(?<![\w+/=-])[0-9a-fA-F]{32,}(?![\w+/=-])")
+# long base64 / base64url runs (keys, JWT parts); judged by looks_random()
+_B64_RE = re.compile(r"(?<![\w+/=.-])[A-Za-z0-9+/_-]{20,}={0,2}(?![\w+/=-])")
+_REDACTED = "[redacted]"
+
+
+def looks_random(word: str) -> bool:
+    """True for a word that reads like a generated secret rather than a name or a path.
+
+    The word's longest part between ``/`` (a path is judged by its own parts) must be 16
+    characters or more, mix letters and digits, be no dashed or underscored name (two
+    or more of its ``-``/``_`` pieces words in one case, or three or more short pieces),
+    and use its alphabet evenly: the Shannon entropy of its characters at least 80 % of
+    the most its length allows. Random base64 passes (but for about 1 in 100 strings of
+    32 random bytes); paths, identifiers, class names, UUIDs and timestamps do not.
+    """
+    part = max(word.split("/"), key=len)
+    n = len(part)
+    if n < 16 or not (any(c.isdigit() for c in part) and any(c.isalpha() for c in part)):
+        return False
+    pieces = re.split(r"[-_]", part)
+    words = sum(
+        1
+        for piece in pieces
+        if len(piece) >= 3 and piece.isalpha() and (piece.islower() or piece.isupper())
+    )
+    if words >= 2 or (len(pieces) >= 3 and max(map(len, pieces)) <= 10):
+        return False  # a dashed name: gpusnap-restore-x1, NVIDIA-H100-80GB-HBM3, a UUID
+    counts: dict[str, int] = {}
+    for c in part:
+        counts[c] = counts.get(c, 0) + 1
+    entropy = -sum(k / n * math.log2(k / n) for k in counts.values())
+    return entropy >= 0.8 * math.log2(min(n, 64))
+
+
+def _secretish(value: str) -> bool:
+    """A bare value that looks like a credential: random-looking, or long with digits."""
+    value = value.strip("\"'.")
+    if _HEX_RE.fullmatch(value) or looks_random(value):
+        return True
+    return len(value) >= 16 and any(c.isdigit() for c in value) and any(c.isalpha() for c in value)
+
+
+def _key_value(m: re.Match) -> str:
+    key, sep, value = m.group(1), m.group(3), m.group(4)
+    # key=value (a query string, a config line) or a quoted key (JSON) is always a credential;
+    # "key: value" in prose ("no token: put the key back") only when the value looks like one
+    structured = sep == "=" or m.group(2)[:1] in "\"'" or "_" in key or "-" in key
+    plain_secret = key.lower() in ("password", "passwd", "pwd", "secret")
+    if structured or plain_secret or _secretish(value):
+        return f"{key}{m.group(2)}{_REDACTED}"
+    return m.group(0)
 
 
 def redact(text: str) -> str:
-    """Remove what looks like a token or password from ``text`` (error messages, URLs)."""
-    text = _SECRET_RES[0].sub(lambda m: f"{m.group(1)}{m.group(2)}[redacted]", text)
-    return _SECRET_RES[1].sub(r"\1[redacted]@", text)
+    """Remove credentials from ``text`` (error messages, URLs), keep the words around them.
+
+    Removed: values of credential keys (``token=…``, ``api_token: …``, ``"password": "…"``,
+    ``?token=…``), ``Authorization:`` headers (``token …``, ``Bearer …``, ``Basic …``),
+    ``user:password@`` in URLs, long hex strings (Hub tokens) and random-looking base64
+    strings (keys). Kept: ordinary sentences that mention tokens and keys ("records no
+    Hub API token to resume with", "sealed with key 'k1'"), paths and checkpoint ids.
+    """
+    text = _AUTH_RE.sub(lambda m: m.group(1) + _REDACTED, text)
+    text = _KEYVALUE_RE.sub(_key_value, text)
+    text = _SCHEME_RE.sub(
+        lambda m: m.group(1) + m.group(2) + _REDACTED if _secretish(m.group(3)) else m.group(0),
+        text,
+    )
+    text = _USERINFO_RE.sub(r"\1" + _REDACTED + "@", text)
+    text = _HEX_RE.sub(_REDACTED, text)
+    return _B64_RE.sub(lambda m: _REDACTED if looks_random(m.group(0)) else m.group(0), text)
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -845,6 +928,11 @@ class Notifier(LoggingConfigurable):
             return False
         ctx = {"day": day, **context}
         ctx.setdefault("unmailed", sorted(self.undeliverable))
+        # failure messages are redacted as in the users' emails: a digest is forwarded too
+        ctx["failed_servers"] = [
+            {**f, "error": redact(str(f.get("error") or ""))}
+            for f in ctx.get("failed_servers") or []
+        ]
         try:
             return await self._deliver(
                 DIGEST_KIND, DIGEST_KEY, list(self.digest_to), ctx, day.isoformat()
@@ -885,12 +973,26 @@ class ServiceNotifier(Notifier):
         ``user/server_name``.""",
     ).tag(config=True)
 
-    retention_days = Integer(
-        14,
+    retention_days = Float(
+        None,
+        allow_none=True,
         min=0,
-        help="""How many days a snapshot is kept, as told to users in emails (unless the
-        checkpoint reports its own). Keep it equal to the checkpoint store's retention.""",
+        help="""How many days a snapshot is kept, as the emails tell users. None (the
+        default): the checkpoint backend's own retention, read from it
+        (LocalBackend.max_age_days), so the emails quote what retention really does; with
+        a backend that deletes nothing by age (KubernetesBackend) the emails quote no number.
+        Set it only where something outside the service deletes snapshots, e.g. a
+        registry's own cleanup after 30 days.""",
     ).tag(config=True)
+
+    def retention(self) -> float | None:
+        """Days a snapshot is kept, as emails quote it: `retention_days`, else the backend's
+        ``max_age_days`` (None: no number to quote)."""
+        if self.retention_days is not None:
+            return self.retention_days
+        backend = getattr(self.app, "backend", None)
+        days = getattr(backend, "max_age_days", None)
+        return days if isinstance(days, (int, float)) and days > 0 else None
 
     @default("mailer")
     def _default_mailer(self) -> Mailer:
@@ -952,7 +1054,7 @@ class ServiceNotifier(Notifier):
             "gpu_bytes": detail.get("gpu_bytes"),
             "gpu_model": detail.get("gpu_model") or "",
             "kernels": extra.get("kernels", sample.get("kernels")),
-            "retention_days": extra.get("retention_days", self.retention_days),
+            "retention_days": _days(extra.get("retention_days", self.retention())),
             "error": detail.get("error") or status.failure or "",
             "restored_at": status.restored_at,
         }
@@ -999,6 +1101,13 @@ class ServiceNotifier(Notifier):
             return await self.notify(kind, status.user, context, event_ref, auth_state, opted_out)
 
         return self._spawn(run())
+
+
+def _days(days: Any) -> int | float | None:
+    """30.0 -> 30 (how a template shows it); None stays None."""
+    if isinstance(days, float) and days.is_integer():
+        return int(days)
+    return days
 
 
 def _count_failure(reason: str) -> None:

@@ -723,6 +723,133 @@ def test_redact():
     assert redact("criu: pid 42 in use") == "criu: pid 42 in use"
 
 
+# Sentences our code puts into failure messages (users' emails, the admin digest): each must
+# reach the reader word for word, though they speak of tokens, keys and passwords.
+OUR_SENTENCES = [
+    "checkpoint alice/_default/20261125T133638.847123Z records no Hub API token to resume with",
+    "alice/: cannot restore alice/_default/20261125T133638.847123Z now: chunk sealed with key "
+    "'k2026', which is not in the key file: put that key back. The snapshot is kept; once the "
+    "key is back in LocalBackend.encryption_key_file the next start restores it",
+    "cannot restore checkpoint alice/gpu/20261125T133638.847123Z now: it is sealed with key "
+    "'k1', which is not in LocalBackend.encryption_key_file (/etc/jupyterhub-gpusnap/keys): "
+    "put that key back; the snapshot is kept and the next start restores it",
+    "send 'Authorization: Bearer <token>'",
+    "the API server did not accept our token for GET /api/v1/namespaces/jhub/pods/jupyter-alice",
+    "check token_file: it must be a valid ServiceAccount token",
+    "no token for the node agent (/var/run/secrets/kubernetes.io/serviceaccount/token: No such "
+    "file or directory): set SnapKubeSpawner.agent_api_token",
+    "encryption key file /etc/jupyterhub-gpusnap/keys, line 2: expected '<id> <base64 key>'",
+    "chunk fails authentication under key 'k1'",
+    "alice/gpu: 3.2 GiB free in /var/lib/jupyterhub-gpusnap/checkpoints/alice/gpu, the image "
+    "needs 8.9 GiB: free space, move checkpoint_dir, or lower keep_last/max_age_days",
+    "alice/: cannot start the image streamer in /dev/shm/gpusnap-restore-k3j_x8qa: "
+    "[Errno 28] No space left on device",
+    "checkpoint alice/_default/20261125T133638.847123Z cannot be restored here: it was taken "
+    "on NVIDIA H100 80GB HBM3 with driver 580.159.04 (this host: NVIDIA-A100-SXM4-80GB)",
+    "pod jupyter-user-40example-2ecom is not on node gpu-node-7",
+    "the server's token was not revoked: HTTP 403: Forbidden",
+]
+
+
+@pytest.mark.parametrize("sentence", OUR_SENTENCES)
+def test_redact_leaves_our_sentences_readable(sentence):
+    assert redact(sentence) == sentence
+
+
+def test_redact_removes_real_secrets():
+    import base64
+    import secrets
+
+    hub_token = secrets.token_hex(16)  # what JupyterHub issues
+    key = base64.b64encode(bytes(range(7, 39))).decode()  # an encryption key line's key
+    urlsafe = "Zk3qP0wXvY7aR2sN9dLmT5hQ8jB4cE6g"  # secrets.token_urlsafe(24)-like
+    cases = {
+        f"Hub said 403 for GET /hub/api/user?token={hub_token}": hub_token,
+        f"Authorization: token {hub_token}": hub_token,
+        f"request failed: Authorization: Bearer {urlsafe}": urlsafe,
+        f"JUPYTERHUB_API_TOKEN={hub_token} in the environment": hub_token,
+        f'manifest said {{"api_token": "{hub_token}"}}': hub_token,
+        "login failed with smtp_password=Tr0ub4dor&3 for mailer": "Tr0ub4dor",
+        "password: correcthorsebattery": "correcthorsebattery",
+        "X-Api-Key: 9QzL-51xT_kd0pWm": "9QzL-51xT_kd0pWm",
+        "postgresql://gpusnap:hunter2@db/gpusnap refused": "hunter2",
+        f"key file line: k1 {key}": key,
+        f"token {hub_token} was revoked": hub_token,
+        f"unsealed {urlsafe} by accident": urlsafe,
+    }
+    for text, secret in cases.items():
+        out = redact(text)
+        assert secret not in out, (text, out)
+        assert "[redacted]" in out
+    # the words around a secret stay
+    assert redact(f"token {hub_token} was revoked") == "token [redacted] was revoked"
+    assert redact(f"Authorization: token {hub_token}") == "Authorization: token [redacted]"
+
+
+async def test_emails_quote_the_backends_retention(smtp, log, tmp_path):
+    """The restore_failed and suspended emails say how long the backend really keeps a
+    snapshot (LocalBackend.max_age_days), and no number for a backend that deletes none."""
+    from types import SimpleNamespace
+
+    from jupyterhub_gpusnap.checkpoint.base import CheckpointBackend
+    from jupyterhub_gpusnap.checkpoint.local import LocalBackend
+    from jupyterhub_gpusnap.model import State
+    from jupyterhub_gpusnap.notify import ServiceNotifier
+    from jupyterhub_gpusnap.policy import ServerStatus
+
+    t = NOW.timestamp()
+    status = ServerStatus(key="carol/", user="carol", state=State.active, state_since=t,
+                          last_active=t, started=t, restored_at=t, failure="criu restore failed")  # fmt: skip
+    detail = {"created": t - 3600, "error": "criu restore failed"}
+
+    async def mail(backend, **settings) -> list:
+        app = SimpleNamespace(public_url=HUB, service_prefix="/services/gpusnap/", backend=backend)
+        notifier = ServiceNotifier(sent_log=MemorySentLog(), app=app, mailer=make_mailer(smtp, log),
+                                   address_from="template", address_template="{username}@example.org",
+                                   log=log, **settings)  # fmt: skip
+        notifier.clock = lambda: NOW
+        before = len(smtp.messages)
+        assert await (await notifier.notify_event("restore_failed", status, "r1", detail))
+        assert await (await notifier.notify_event("suspended", status, "s1", detail))
+        return smtp.messages[before:]
+
+    local = LocalBackend(checkpoint_dir=str(tmp_path / "ckpt"), max_age_days=30)
+    failed, suspended = await mail(local)
+    for body in (failed.part("plain"), failed.part("html")):
+        assert "kept for 30 days" in body and "14" not in body
+    assert "The snapshot is kept for 30 days" in suspended.part("plain")
+
+    local.max_age_days = 7.5
+    failed, _ = await mail(local)
+    assert "kept for 7.5 days" in failed.part("plain")
+
+    # a backend with no retention by age: the emails promise no number of days
+    failed, suspended = await mail(CheckpointBackend())
+    for body in (failed.part("plain"), failed.part("html"), suspended.part("plain")):
+        assert " days" not in body, body
+    assert "Your snapshot is not lost: it is kept, so an admin" in failed.part("plain")
+
+    # an admin whose registry deletes snapshots after 21 days says so
+    failed, _ = await mail(CheckpointBackend(), retention_days=21)
+    assert "kept for 21 days" in failed.part("plain")
+
+
+async def test_admin_digest_redacts_failure_messages(smtp, log):
+    hub_token = "0123456789abcdef0123456789abcdef"
+    notifier = make_notifier(make_mailer(smtp, log), digest_to=["admins@example.org"])
+    failed = [
+        {"server": "frank/", "error": f"restore failed: Hub said 403 for ?token={hub_token}"},
+        {"server": "gina/", "error": OUR_SENTENCES[0]},
+    ]
+    stats = dict(gpu_hours=1, suspensions=1, restores=0, failures=2, failed_servers=failed)
+    assert await notifier.send_digest(stats, NOW.date()) is True
+    [got] = smtp.messages
+    for body in (got.part("plain"), got.part("html")):
+        assert hub_token not in body
+        assert "frank/" in body and "Hub said 403 for ?token=[redacted]" in body
+        assert "records no Hub API token to resume with" in body  # readable
+
+
 def test_bad_timezone_names_the_fix():
     from traitlets import TraitError
 
