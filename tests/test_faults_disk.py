@@ -15,16 +15,18 @@ back and the next suspension succeeds.
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from jupyterhub_gpusnap import metrics
-from jupyterhub_gpusnap.checkpoint.base import CheckpointError
+from jupyterhub_gpusnap.checkpoint.base import CheckpointError, CheckpointRefused
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend, is_alive, is_frozen
 from jupyterhub_gpusnap.checkpoint.manifest import MANIFEST, Manifest
 from jupyterhub_gpusnap.model import Server, State
@@ -229,3 +231,78 @@ async def test_disk_full_when_the_log_cannot_say_so(small_disk, server, tmp_path
     server.pid = pid
     back = await server.ask("get")
     assert back["secret"] == before["secret"] and back["count"] == after["count"]
+
+
+@pytest.fixture
+def sized_disk(tmp_path):
+    """``mount(mib)``: a real tmpfs of that size for checkpoint_dir; unmounted at teardown."""
+    mounted: list[Path] = []
+
+    def mount(mib: int) -> Path:
+        path = tmp_path / f"disk-{len(mounted)}"
+        path.mkdir()
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={mib}m,mode=0700", "tmpfs", str(path)], check=True
+        )
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        for _ in range(100):
+            if subprocess.run(["umount", str(path)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        else:
+            subprocess.run(["umount", "--lazy", str(path)], check=True)
+
+
+def tree_rss(pid: int) -> int:
+    """What the backend estimates a server's image at: the RSS of its processes."""
+    root = psutil.Process(pid)
+    return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+
+
+async def test_two_suspensions_racing_for_the_disk(sized_disk, process_tree):
+    """Two servers that each fit the disk alone but not together are suspended at the same
+    moment: the first to pass the preflight reserves its estimate, the second is refused
+    before anything of it is frozen (naming the suspension that holds the space), and both
+    servers are fine: one suspended and restorable, the other running on untouched."""
+    servers = [process_tree(pidns=True, program=PROGRAM) for _ in range(2)]
+    for s in servers:
+        await s.wait_ready()
+        await s.ask("alloc 64")
+    before = [await s.ask("inc") for s in servers]
+    estimate = max(tree_rss(s.pid) for s in servers)
+    # one image fits with room to spare, two do not (an image is about its RSS)
+    disk = sized_disk(int(estimate * 1.5) >> 20)
+    backend = LocalBackend(checkpoint_dir=str(disk / "checkpoints"), min_free_bytes=0)
+    users = ["alice", "bob"]
+    targets = [Server(user=u, name="", state={"pid": s.pid}) for u, s in zip(users, servers)]
+
+    results = await asyncio.gather(*(backend.checkpoint(t) for t in targets), return_exceptions=True)
+
+    ok = [i for i, r in enumerate(results) if not isinstance(r, BaseException)]
+    refused = [i for i, r in enumerate(results) if isinstance(r, CheckpointRefused)]
+    assert len(ok) == 1 and len(refused) == 1, results
+    (won,), (lost,) = ok, refused
+    why = str(results[lost])
+    assert f"reserved by suspensions under way ({users[won]}/)" in why, why
+    assert "Nothing was frozen" in why and results[lost].retry
+    # the refused server: nothing written for it, never frozen, same memory
+    assert [c.key for c in await backend.list()] == [f"{users[won]}/"]
+    assert is_alive(servers[lost].pid) and not is_frozen(servers[lost].pid)
+    after = await servers[lost].ask("inc")
+    assert after["secret"] == before[lost]["secret"] and after["count"] == before[lost]["count"] + 1
+    # the suspended one restores with its memory
+    info = results[won]
+    assert info.status == "verified" and not is_alive(servers[won].pid)
+    servers[won].pid, _, _ = await backend.restore(info)
+    back = await servers[won].ask("get")
+    assert back["secret"] == before[won]["secret"] and back["count"] == before[won]["count"]
+    # the reservation ended with the dump: once the disk has room, the other one suspends
+    await backend.delete(info.id)
+    other = await backend.checkpoint(targets[lost])
+    assert other.status == "verified"
+    servers[lost].pid, _, _ = await backend.restore(other)
+    assert (await servers[lost].ask("get"))["count"] == after["count"]

@@ -509,3 +509,41 @@ async def test_a_caller_giving_up_does_not_abort_the_checkpoint(backend, process
     tree.proc.wait()
     await restore_and_track(backend, tree, info)
     assert (await tree.ask("get"))["count"] == 0
+
+
+async def test_a_failed_restore_is_kept_max_age_days_whatever_keep_last_says(
+    backend, process_tree
+):
+    """A snapshot whose restore failed is what an admin rescues work from (the email says
+    "kept for N days"): keep_last does not count it, max_age_days from the failure does."""
+    tree = process_tree(pidns=True)
+    await tree.wait_ready()
+    info = await backend.checkpoint(server_of(tree))
+    folder = backend.folder(info.id)
+    pages = next(folder.glob("pages-*.img"))
+    data = bytearray(pages.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    pages.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="damaged"):
+        await backend.restore(info)
+    await backend.mark(info.id, "failed", "restore failed: damaged")  # as the spawner does
+    failed = await backend.get(info.id)
+    assert failed.extra["retention_days"] == 30 == backend.retention_days
+    # the user goes on with a fresh server, suspended and restored several times
+    tree = process_tree(pidns=True)
+    await tree.wait_ready()
+    later = []
+    for _ in range(3):
+        later.append((await backend.checkpoint(server_of(tree))).id)
+        await restore_and_track(backend, tree, await backend.latest("alice", ""))
+    assert (await backend.get(later[-1])).extra["retention_days"] is None  # kept until restored
+    backend.keep_last = 1
+    assert await backend.apply_retention() == [later[1], later[0]]
+    assert [c.id for c in await backend.list()] == [later[2], info.id]
+    # max_age_days after the failure (not after the suspension) it goes
+    backend.max_age_days = 1
+    assert await backend.apply_retention() == []
+    m = Manifest.load(folder)
+    m.extra["failed_at"] -= 86400 + 60  # a day has passed
+    m.save(folder)
+    assert await backend.apply_retention() == [info.id]

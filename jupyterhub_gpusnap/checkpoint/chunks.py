@@ -83,6 +83,19 @@ def cut_points(buf, avg_pages: int = 512, min_pages: int = 128, max_pages: int =
     return cuts
 
 
+def private_mkdir(path: Path) -> None:
+    """Create ``path`` and its missing parents, each 0700 (``Path.mkdir(parents=True)``
+    would make the parents 0755: a chunk store's folders are for root alone)."""
+    missing = []
+    p = Path(path)
+    while not p.is_dir():
+        missing.append(p)
+        p = p.parent
+    for p in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(p, 0o700)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -215,7 +228,7 @@ class ChunkStore:
         header = MAGIC + bytes((codec, len(kid))) + kid
         body = key.seal(payload, header + cid.encode()) if key else payload
         if not final.parent.is_dir():
-            final.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            private_mkdir(final.parent)
             with self._writing_lock:
                 self._new_dirs.update((final.parent.parent, final.parent.parent.parent))
         tmp = final.parent / f".{cid}.{threading.get_ident()}.tmp"
@@ -254,7 +267,7 @@ class ChunkStore:
     @contextlib.contextmanager
     def _locked(self, mode: int):
         """flock on ``<root>/.lock``: packs share it, a sweep needs it alone (any process)."""
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        private_mkdir(self.root)
         fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, mode)

@@ -40,6 +40,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -166,14 +167,19 @@ class LocalBackend(CheckpointBackend):
 
     keep_last = Integer(
         2,
-        help="""Checkpoints kept per server (newest first) by retention. The newest verified
-        checkpoint of a suspended server is always kept, whatever this says.""",
+        help="""Checkpoints kept per server (newest first) by retention, of those no one needs
+        any more (restored ones, and failed suspensions, whose server kept running). It never
+        deletes the snapshot of a suspended server (kept until it is restored) nor a snapshot
+        whose restore failed (kept max_age_days from the failure, for an admin to rescue).""",
     ).tag(config=True)
 
     max_age_days = Float(
         30.0,
-        help="""Retention deletes checkpoints older than this many days, except the newest
-        verified checkpoint of a server that is still suspended (it is needed to restore it).""",
+        help="""Days a snapshot whose restore failed is kept after the failure, whatever
+        keep_last says, so an admin can rescue its work (docs/operations.md); emails quote
+        this number. Other checkpoints no one needs are deleted once older than this too. A
+        suspended server's snapshot is never deleted by age: it is kept until it is restored
+        (or its server is deleted).""",
     ).tag(config=True)
 
     min_free_bytes = Integer(
@@ -387,6 +393,7 @@ class LocalBackend(CheckpointBackend):
         self._criu_ok: dict[tuple[str, str], str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._active: set[str] = set()  # servers whose checkpoint() runs in this process
+        self._reserved: dict[str, int] = {}  # disk bytes held per suspension under way
         self._cuda_obj = None
         self._cuda_missing = False
         self._pipe_noted = False
@@ -488,6 +495,12 @@ class LocalBackend(CheckpointBackend):
                 "stored_bytes": m.stored_bytes,
                 "new_bytes": m.new_bytes,
                 "encrypted": bool(m.storage == "chunks" and m.key_id not in ("", "plain")),
+                # days a failed restore's snapshot is kept (emails quote it); a verified
+                # one is kept until restored, however long that is: no number to give
+                "retention_days": (
+                    _days(self.max_age_days) if _rescue_since(folder, m) is not None else None
+                ),
+                "damaged_chunks": m.extra.get("damaged_chunks", []),
             },
         )
 
@@ -526,20 +539,54 @@ class LocalBackend(CheckpointBackend):
         return out
 
     def _mkdir(self, path: Path) -> None:
-        """Create ``path`` and its parents up to checkpoint_dir, each 0700."""
+        """Create ``path`` and its missing parents, each 0700; those of its folders inside
+        checkpoint_dir that exist already (checkpoint_dir included) are made 0700 too: one
+        created by an older version, by hand or for a server's log may be open to others."""
         missing = []
         p = path
         while not p.exists():
             missing.append(p)
             p = p.parent
+        for q in [p, *p.parents]:
+            if q != self.root and self.root not in q.parents:
+                break
+            self._tighten(q)
         for p in reversed(missing):
             p.mkdir(mode=0o700, exist_ok=True)
             os.chmod(p, 0o700)
 
+    def _tighten(self, folder: Path) -> None:
+        """Make a folder of checkpoint_dir 0700 (logged) if group or others may enter it."""
+        try:
+            mode = stat.S_IMODE(folder.stat().st_mode)
+            if mode & 0o077:
+                os.chmod(folder, 0o700)
+                self.log.warning(
+                    "%s was mode %04o, readable by other users: made 0700 (checkpoints hold "
+                    "servers' memory, and the folder names name users and servers)", folder, mode,
+                )  # fmt: skip
+        except OSError as e:
+            self.log.error("cannot make %s private (0700): %s", folder, e)
+
+    def _tighten_all(self) -> None:
+        """At start-up: every folder of checkpoint_dir (the checkpoints and the chunk store,
+        not what is inside a checkpoint's folder) made 0700, each change logged."""
+        self._tighten(self.root)
+        for top in sorted(self.root.iterdir()):
+            if not top.is_dir() or top.is_symlink():
+                continue
+            self._tighten(top)
+            for sub in sorted(p for p in top.iterdir() if p.is_dir() and not p.is_symlink()):
+                self._tighten(sub)
+                for leaf in (p for p in sub.iterdir() if p.is_dir() and not p.is_symlink()):
+                    self._tighten(leaf)
+
     # ---------------------------------------------------------------- contract
     async def setup(self) -> None:
-        """Create checkpoint_dir, log what is missing, resolve checkpoints left ``writing``."""
+        """Create checkpoint_dir (or make it private), log what is missing, resolve
+        checkpoints left ``writing``."""
         self._mkdir(self.root)
+        await asyncio.to_thread(self._tighten_all)
         try:
             version = await self._require_criu()
             self.log.info("CRIU %s ready; checkpoints in %s", version, self.root)
@@ -573,9 +620,11 @@ class LocalBackend(CheckpointBackend):
         """Refuse (:class:`CheckpointRefused`) when ``server`` cannot be checkpointed now."""
         await self._preflight(server)
 
-    async def _preflight(self, server: Server) -> tuple[str, list[int], int, dict]:
+    async def _preflight(self, server: Server, reserve: bool = False) -> tuple[str, list[int], int, dict]:
         """Checks before touching anything; returns (criu version, tree pids, estimate,
-        GPU inventory). Everything here runs before the GPU is freed: keep it quick."""
+        GPU inventory). Everything here runs before the GPU is freed: keep it quick.
+        ``reserve``: hold the estimate of disk space for this server until
+        :meth:`_locked_checkpoint` ends (other suspensions then count it as taken)."""
         version = await self._require_criu()
         pid = server.pid
         if not pid:
@@ -610,15 +659,41 @@ class LocalBackend(CheckpointBackend):
                 self.log.debug("GPU inventory of %s unavailable: %s", server.key, e)
         estimate = rss + int(inventory.get("gpu_bytes", 0))
         self._mkdir(self.root)
-        free = shutil.disk_usage(self.root).free
-        if free < estimate + self.min_free_bytes:
-            raise CheckpointRefused(
-                f"{server.key}: not enough disk in {self.root}: {free / 2**30:.1f} GiB free, "
-                f"need {estimate / 2**30:.1f} GiB for the image + "
-                f"{self.min_free_bytes / 2**30:.1f} GiB (LocalBackend.min_free_bytes); "
-                "free space, move checkpoint_dir, or lower keep_last/max_age_days"
-            )
+        # From here to the reservation nothing awaits: two suspensions cannot both take
+        # the same free space.
+        self._check_disk(server.key, estimate)
+        if reserve:
+            self._reserved[server.key] = estimate
         return version, pids, estimate, inventory
+
+    def _check_disk(self, key: str, estimate: int) -> None:
+        """Refuse unless checkpoint_dir's disk holds ``estimate`` + min_free_bytes beyond
+        what suspensions under way have reserved (their estimates, held until they end)."""
+        free = shutil.disk_usage(self.root).free
+        others = {k: n for k, n in self._reserved.items() if k != key}
+        held = sum(others.values())
+        need = estimate + self.min_free_bytes
+        if free - held >= need:
+            return
+        gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+        needs = (
+            f"need {gib(estimate)} for the image + {gib(self.min_free_bytes)} "
+            "(LocalBackend.min_free_bytes)"
+        )
+        if free >= need:  # it fits once the suspensions under way are done
+            raise CheckpointRefused(
+                f"{key}: not enough disk in {self.root} now: {gib(free)} free, "
+                f"{gib(held)} of it reserved by suspensions under way "
+                f"({', '.join(sorted(others))}), {needs}. Nothing was frozen; it is tried "
+                "again later. If it persists, free space, move checkpoint_dir, or lower "
+                "Watcher.suspend_concurrency",
+                retry=True,
+            )
+        raise CheckpointRefused(
+            f"{key}: not enough disk in {self.root}: {gib(free)} free"
+            + (f" ({gib(held)} of it reserved by suspensions under way)" if held else "")
+            + f", {needs}; free space, move checkpoint_dir, or lower keep_last/max_age_days"
+        )
 
     async def checkpoint(self, server: Server) -> CheckpointInfo:
         """Checkpoint, verify, then kill ``server``'s tree (see the module docstring).
@@ -639,6 +714,7 @@ class LocalBackend(CheckpointBackend):
                 return await self._checkpoint(server)
             finally:
                 self._active.discard(server.key)
+                self._reserved.pop(server.key, None)  # the dump has ended: its space is real
 
     def _log_orphan(self, key: str, task: asyncio.Task) -> None:
         """Retrieve the outcome of a checkpoint whose caller stopped waiting."""
@@ -650,7 +726,7 @@ class LocalBackend(CheckpointBackend):
 
     async def _checkpoint(self, server: Server) -> CheckpointInfo:
         t0 = time.monotonic()
-        version, pids, _, inv = await self._preflight(server)
+        version, pids, _, inv = await self._preflight(server, reserve=True)
         pid = server.pid
         created = time.time()
         stamp = datetime.fromtimestamp(created, timezone.utc).strftime(_TS)
@@ -1042,6 +1118,8 @@ class LocalBackend(CheckpointBackend):
             m.error = error
         if status == "restored":
             m.restored_at = time.time()
+        if status == "failed":  # a failed restore's snapshot is kept max_age_days from now
+            m.extra["failed_at"] = time.time()
         m.save(folder)
 
     async def delete(self, checkpoint_id: str) -> None:
@@ -1077,8 +1155,15 @@ class LocalBackend(CheckpointBackend):
                 keep.add(folder)
         return keep
 
+    @property
+    def retention_days(self) -> float:
+        """Days a snapshot whose restore failed is kept after the failure (``max_age_days``):
+        the number emails quote ("kept for N days")."""
+        return self.max_age_days
+
     async def apply_retention(self) -> list[str]:
-        """Delete what ``keep_last``/``max_age_days`` allow; never a suspended server's image.
+        """Delete what ``keep_last``/``max_age_days`` allow; never a suspended server's image,
+        nor a failed restore's before ``max_age_days`` from its failure (see their help).
 
         First resolves checkpoints left ``writing`` that no checkpoint of this process is
         writing (e.g. a failure that could not be recorded on a full disk): see recover().
@@ -1091,11 +1176,16 @@ class LocalBackend(CheckpointBackend):
         deleted = []
         for folder, m in found:
             key = server_key(m.user, m.server)
-            counts[key] = counts.get(key, 0) + 1
             if m.status == "writing" or folder in protected:
+                counts[key] = counts.get(key, 0) + 1
                 continue
-            too_many = counts[key] > self.keep_last
-            too_old = now - m.created > self.max_age_days * 86400
+            rescue = _rescue_since(folder, m)
+            if rescue is not None:  # a failed restore's snapshot: by age alone, from the failure
+                too_many, too_old = False, now - rescue > self.max_age_days * 86400
+            else:
+                counts[key] = counts.get(key, 0) + 1
+                too_many = counts[key] > self.keep_last
+                too_old = now - m.created > self.max_age_days * 86400
             if too_many or too_old:
                 cid = self._id(folder)
                 await self._delete(cid)
@@ -1516,6 +1606,25 @@ def _disk_full(why: str, folder: Path) -> bool:
     except OSError:
         return False
     return st.f_bavail * st.f_frsize < DISK_FULL_MARGIN
+
+
+def _days(days: float) -> float | int:
+    return int(days) if float(days).is_integer() else days
+
+
+def _rescue_since(folder: Path, m: Manifest) -> float | None:
+    """For a snapshot that was verified and then failed (its restore failed, or a scrub
+    found it damaged beyond repair): when it failed, from which retention keeps it
+    ``max_age_days``. None for any other checkpoint."""
+    if m.status != "failed" or not m.verified_at:
+        return None
+    when = m.extra.get("failed_at")
+    if isinstance(when, (int, float)):
+        return float(when)
+    try:  # recorded by a version without failed_at: the manifest was last written then
+        return (folder / MANIFEST).stat().st_mtime
+    except OSError:
+        return m.verified_at
 
 
 def _drop_image_files(folder: Path) -> int:
