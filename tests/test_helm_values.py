@@ -290,3 +290,35 @@ def test_dockerfiles_install_the_package():
     assert "pip install" in hub and "[kubernetes]" in hub
     assert "29ec0ee09e296479fe7048c80980e8ef1d0684d0b0204c2b101dfea19f6725b9" in agent
     assert 'ENTRYPOINT ["jupyterhub-gpusnap-agent"]' in agent
+
+
+def test_values_give_the_lab_panel_what_it_needs(values):
+    """On Z2JH the panel's server extension reaches the service through the proxy (as the
+    browser and the service itself do), in a notebook image that has the extension."""
+    from urllib.parse import urlparse
+
+    from jupyterhub_gpusnap.serverext.client import service_url_from_env
+
+    singleuser = values["singleuser"]
+    env = singleuser["extraEnv"]
+    url = env["GPUSNAP_SERVICE_URL"]
+    # what the extension uses, with the variables a Z2JH pod gets from KubeSpawner
+    pod_env = {**env, "JUPYTERHUB_API_URL": "http://hub:8081/hub/api"}
+    assert service_url_from_env(pod_env) == url
+    name = next(iter(values["hub"]["services"]))
+    assert urlparse(url).path == f"/services/{name}/"
+    # the proxy's Service, as the service's own proxy_url; the Hub's API host serves no services
+    config = values["hub"]["extraFiles"]["gpusnap-config"]["stringData"]
+    proxy_url = next(
+        line.split("=", 1)[1].strip().strip('"')
+        for line in config.splitlines()
+        if line.startswith("c.GpuSnap.proxy_url")
+    )
+    assert urlparse(url).netloc == urlparse(proxy_url).netloc == "proxy-public"
+    # every profile runs the notebook image built with the extension (no profile overrides it)
+    image = singleuser["image"]["name"]
+    notebook = (HELM / "Dockerfile.notebook").read_text()
+    assert f"-t {image}:{singleuser['image']['tag']} ." in notebook
+    assert not [p for p in singleuser["profileList"] if "image" in p.get("kubespawner_override", {})]
+    install = next(line for line in notebook.splitlines() if "pip install" in line)
+    assert "/tmp/jupyterhub-gpusnap" in install and "[" not in install  # the base package only
