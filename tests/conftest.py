@@ -193,13 +193,6 @@ def process_tree(tmp_path):
 REPO = Path(__file__).resolve().parent.parent
 
 
-def has_cap_sys_resource() -> bool:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("CapEff:"):
-            return bool(int(line.split()[1], 16) >> 24 & 1)
-    return False
-
-
 @pytest.fixture
 def traversable():
     """Let other users reach the Hub's Python and this checkout (o+x on the folders above

@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 from jupyterhub_gpusnap import sandbox
-from jupyterhub_gpusnap.checkpoint import CheckpointRefused
+from jupyterhub_gpusnap.checkpoint import CheckpointRefused, criu
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend, is_alive, is_frozen
 from jupyterhub_gpusnap.checkpoint.manifest import MANIFEST, Manifest
 from jupyterhub_gpusnap.model import Server
@@ -37,7 +37,6 @@ from jupyterhub_gpusnap.procs import tree_pids
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import has_cap_sys_resource  # noqa: E402
 from realhub import free_port  # noqa: E402
 
 PLAIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
@@ -656,28 +655,13 @@ async def test_a_file_opened_outside_the_mount_namespace_is_refused(
 
 
 @pytest.mark.criu
-async def test_a_users_server_without_or_with_cap_sys_resource(
-    sandboxed, backend, system_user, tmp_path
-):
+async def test_a_users_server_is_suspended_and_restored_as_the_user(sandboxed, backend, system_user):
+    # CRIU reads every process's resource limits; the service here lacks CAP_SYS_RESOURCE
+    # (root in a container), and the CRIU .ci/install-criu.sh builds reads another user's
+    # from /proc/<pid>/limits then
     sb, port = python_server(sandboxed, user=system_user.pw_name)
-    init = sb.init
     before = await aask(port, "inc")
-    server = Server(user="alice", name="", state={"pid": init})
-    if not has_cap_sys_resource():
-        with pytest.raises(CheckpointRefused, match="CAP_SYS_RESOURCE") as refused:
-            await backend.checkpoint(server)
-        assert f"uid {system_user.pw_uid}" in str(refused.value)
-        with pytest.raises(CheckpointRefused, match="CAP_SYS_RESOURCE"):
-            await backend.check(server)
-        assert all(not is_frozen(p) for p in tree_pids(init))
-        after = await aask(port, "inc")
-        assert after["secret"] == before["secret"] and after["count"] == before["count"] + 1
-        assert sb.proc.poll() is None
-        assert "writing" not in statuses(backend.root)
-        assert not list(backend.root.rglob("*.img"))
-        return
-    # a host that gives root CAP_SYS_RESOURCE: suspended and restored as the user
-    info = await backend.checkpoint(server)
+    info = await backend.checkpoint(Server(user="alice", name="", state={"pid": sb.init}))
     sb.wait()
     pid, _, rport = await backend.restore(info)
     sb.adopt(pid)
@@ -686,6 +670,45 @@ async def test_a_users_server_without_or_with_cap_sys_resource(
     assert after["secret"] == before["secret"] and after["count"] == before["count"] + 1
     assert (after["uid"], after["gid"]) == (system_user.pw_uid, system_user.pw_gid)
     assert ids(pid)["Uid"] == [0] * 4
+
+
+@pytest.mark.criu
+async def test_a_criu_that_cannot_read_another_users_limits_is_refused_up_front(
+    sandboxed, backend, system_user, monkeypatch
+):
+    # an upstream CRIU in a service without CAP_SYS_RESOURCE: prlimit on the user's
+    # process fails mid-dump ("Can't get rlimit 0"), so the suspension is refused before
+    # anything is frozen, naming both fixes
+    monkeypatch.setattr(criu, "_has_cap_sys_resource", lambda: False)  # as here, and in CI
+    monkeypatch.setitem(criu._foreign_limits, criu.find_criu(), False)
+    sb, port = python_server(sandboxed, user=system_user.pw_name)
+    before = await aask(port, "inc")
+    server = Server(user="alice", name="", state={"pid": sb.init})
+    for call in (backend.checkpoint, backend.check):
+        with pytest.raises(CheckpointRefused, match="CAP_SYS_RESOURCE") as refused:
+            await call(server)
+        why = str(refused.value)
+        assert f"uid {system_user.pw_uid}" in why and "install-criu.sh" in why, why
+    assert all(not is_frozen(p) for p in tree_pids(sb.init))
+    after = await aask(port, "inc")
+    assert after["secret"] == before["secret"] and after["count"] == before["count"] + 1
+    assert sb.proc.poll() is None
+    assert "writing" not in statuses(backend.root)
+    assert not list(backend.root.rglob("*.img"))
+
+
+@pytest.mark.criu
+async def test_the_probe_tries_the_criu_it_is_given(tmp_path, monkeypatch):
+    monkeypatch.setattr(criu, "_foreign_limits", {})
+    # the CRIU CI installs dumps a process of the user nobody (the probe's own sleeper)
+    assert await criu.reads_foreign_limits()
+    # one that fails the dump (as upstream CRIU does without CAP_SYS_RESOURCE) reads as no
+    fake = tmp_path / "criu"
+    fake.write_text("#!/bin/sh\necho \"Error (criu/cr-dump.c:389): Can't get rlimit 0\" >&2\nexit 1\n")
+    fake.chmod(0o755)
+    assert await criu.reads_foreign_limits(str(fake)) is False
+    assert criu._foreign_limits == {criu.find_criu(): True, str(fake): False}
+    assert not list(Path("/tmp").glob("gpusnap-criu-probe-*"))  # nothing left behind
 
 
 # ---------------------------------------------------------------------- 9. waiting for the port

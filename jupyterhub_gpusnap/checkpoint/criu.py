@@ -91,6 +91,8 @@ async def require_criu(criu: str = "", min: str = "4.2") -> str:
         raise CheckpointRefused(f"CRIU {version} is too old (need >= {min}): {hint}")
     if os.geteuid() != 0:
         raise CheckpointRefused("CRIU needs root: run the service (and the Hub) as root")
+    if not _has_cap_sys_resource():
+        await reads_foreign_limits(criu)  # what limits_unreadable() then asks
     return version
 
 
@@ -329,15 +331,70 @@ def _ids(pid: int | str) -> tuple[set[str], set[str], int]:
     return uids, gids, caps
 
 
-def limits_unreadable(pids: list[int]) -> str:
+#: Whether the CRIU that :func:`require_criu` last checked can dump another user's
+#: process without CAP_SYS_RESOURCE (None: not probed, or not needed).
+_foreign_limits: dict[str, bool] = {}
+
+
+def _has_cap_sys_resource() -> bool:
+    return bool(_ids("self")[2] >> CAP_SYS_RESOURCE & 1)
+
+
+async def reads_foreign_limits(criu: str = "") -> bool:
+    """Can this CRIU dump a process of another user without CAP_SYS_RESOURCE?
+
+    Upstream CRIU reads every process's resource limits with prlimit, which the kernel
+    allows for another user's process only with CAP_SYS_RESOURCE; the CRIU that
+    .ci/install-criu.sh builds reads them from /proc/<pid>/limits then. Tried, not
+    guessed: a throwaway ``sleep`` of the user nobody is dumped with --leave-running
+    into a temporary folder. Cached per binary.
+    """
+    binary = find_criu(criu)
+    if not binary:
+        return False
+    if binary in _foreign_limits:
+        return _foreign_limits[binary]
+    import tempfile
+
+    ok = False
+    try:
+        sleeper = await asyncio.create_subprocess_exec(
+            "sleep", "60", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True, user=65534, group=65534,
+            extra_groups=[],
+        )
+    except (OSError, subprocess.SubprocessError):
+        return False
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpusnap-criu-probe-") as d:
+            proc = await asyncio.create_subprocess_exec(
+                binary, "dump", "-t", str(sleeper.pid), "-D", d, "--leave-running", "-o", "dump.log",
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            ok = await asyncio.wait_for(proc.wait(), 60) == 0
+    except (OSError, asyncio.TimeoutError):
+        ok = False
+    finally:
+        sleeper.kill()
+        await sleeper.wait()
+    _foreign_limits[binary] = ok
+    return ok
+
+
+def limits_unreadable(pids: list[int], criu: str = "") -> str:
     """Why CRIU (run by this process) cannot dump ``pids``, or ''.
 
     CRIU reads every process's resource limits (prlimit), which the kernel allows for a
     process of another user only with CAP_SYS_RESOURCE. Hosts give root that capability;
-    some containers drop it, and then only servers running as root can be checkpointed.
+    some containers drop it, and then only a CRIU that reads the limits from /proc
+    (:func:`reads_foreign_limits`, probed by :func:`require_criu`) can dump servers
+    running as Unix users.
     """
-    my_uids, my_gids, caps = _ids("self")
-    if caps >> CAP_SYS_RESOURCE & 1:
+    if _has_cap_sys_resource():
+        return ""
+    my_uids, my_gids, _ = _ids("self")
+    binary = find_criu(criu)
+    if binary and _foreign_limits.get(binary):
         return ""
     for pid in pids:
         try:
@@ -346,10 +403,11 @@ def limits_unreadable(pids: list[int]) -> str:
             continue
         if uids != my_uids or gids != my_gids:
             return (
-                f"process {pid} runs as uid {'/'.join(sorted(uids))}, and CRIU cannot read the "
+                f"process {pid} runs as uid {'/'.join(sorted(uids))}, and this CRIU cannot read the "
                 "resource limits of another user's process without CAP_SYS_RESOURCE, which this "
-                "service lacks (its container or unit drops it): give the service and the Hub "
-                "CAP_SYS_RESOURCE (docker/podman: --cap-add SYS_RESOURCE; systemd: "
+                "service lacks (its container or unit drops it): install CRIU with "
+                ".ci/install-criu.sh (it reads them from /proc/<pid>/limits), or give the service "
+                "and the Hub CAP_SYS_RESOURCE (docker/podman: --cap-add SYS_RESOURCE; systemd: "
                 "CapabilityBoundingSet), or run servers as root"
             )
     return ""
