@@ -13,6 +13,14 @@ The client speaks the OCI distribution API over tornado: blob uploads (monolithi
 small blobs, chunked ``PATCH`` for large ones, hashing while reading), ``HEAD`` of
 blobs, manifests by tag or digest, and Basic or Bearer (token service) auth with
 credentials from a docker config JSON (a ``kubernetes.io/dockerconfigjson`` Secret).
+
+Requests that fail for a moment (no answer, 500, 502, 503, 504) are tried again with
+backoff (:class:`~jupyterhub_gpusnap.retry.Backoff`); a 4xx never is. A chunked upload
+resumes instead of starting over: after a failed ``PATCH`` it asks the registry how far
+the upload got (``GET`` on the upload URL, whose ``Range: 0-<last byte>`` says it) and
+sends only the rest. A registry that dropped the upload meanwhile (distribution cancels
+one whose state no longer matches what it holds) answers 404 or 400, and the upload starts
+again from its first byte.
 """
 
 from __future__ import annotations
@@ -29,8 +37,10 @@ from pathlib import Path
 from urllib.parse import urlencode, urljoin, urlparse
 
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest, HTTPResponse
-from traitlets import Float, Integer, Unicode
+from traitlets import Float, Instance, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
+
+from ..retry import Backoff
 
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 CONFIG_TYPE = "application/vnd.oci.image.config.v1+json"
@@ -43,6 +53,8 @@ ANNOTATION_GPU_BYTES = "org.jupyterhub.gpusnap.gpu-bytes"
 ANNOTATION_CREATED = "org.jupyterhub.gpusnap.created"
 
 READ_BLOCK = 1 << 20
+#: Answers that say "not now" rather than "no" (599: no answer at all): tried again.
+TRANSIENT = (500, 502, 503, 504, 599)
 
 
 class RegistryError(Exception):
@@ -192,6 +204,38 @@ def load_docker_config(path: str | os.PathLike) -> dict[str, tuple[str, str]]:
     return creds
 
 
+def transient(e: BaseException) -> bool:
+    """A registry failure worth another try: no answer, or a 5xx that says "not now"."""
+    return isinstance(e, RegistryError) and e.code in TRANSIENT
+
+
+def _range_end(header: str) -> int | None:
+    """The last byte of ``Range: 0-<last>`` (the registry's upload progress), or None."""
+    match = re.fullmatch(r"\s*(?:bytes=)?0-(\d+)\s*", header or "")
+    return int(match.group(1)) if match else None
+
+
+class _ChunkHasher:
+    """sha256 of a file uploaded in chunks, some sent more than once after a failure:
+    every byte is hashed once, in order, however often its chunk is read."""
+
+    def __init__(self):
+        self._h = hashlib.sha256()
+        self._done = 0
+
+    def update_at(self, offset: int, chunk: bytes) -> None:
+        if offset > self._done:
+            raise ValueError(f"chunk at {offset} skips bytes {self._done}-{offset - 1}")
+        if offset + len(chunk) > self._done:
+            self._h.update(chunk[self._done - offset :])
+            self._done = offset + len(chunk)
+
+    def hexdigest(self, size: int) -> str:
+        if self._done != size:
+            raise ValueError(f"hashed {self._done} of {size} bytes")
+        return "sha256:" + self._h.hexdigest()
+
+
 def _parse_challenge(header: str) -> tuple[str, dict[str, str]]:
     scheme, _, rest = header.strip().partition(" ")
     params = dict(re.findall(r'(\w+)="([^"]*)"', rest))
@@ -235,10 +279,18 @@ class RegistryClient(LoggingConfigurable):
         help="Seconds one registry request (one chunk, one manifest) may take.",
     ).tag(config=True)
 
+    backoff = Instance(Backoff)
+
+    @default("backoff")
+    def _default_backoff(self) -> Backoff:
+        return Backoff(parent=self)
+
     def __init__(self, host: str, **kwargs):
         super().__init__(**kwargs)
         self.host = host
         self._auth_header: str | None = None
+        #: bytes sent in PATCH bodies by the last push_blob_file (resent chunks counted again)
+        self.uploaded_bytes = 0
         # its own client: the shared one refuses bodies over 100 MB, layers are GiBs
         self._http = AsyncHTTPClient(force_instance=True, max_body_size=1 << 44)
 
@@ -306,8 +358,37 @@ class RegistryClient(LoggingConfigurable):
         scope: str = "",
         ok: tuple[int, ...] = (200, 201, 202, 204),
         streaming_callback=None,
+        retry: bool = True,
     ) -> HTTPResponse:
-        """Send one request, answering one auth challenge; raise RegistryError if not ``ok``."""
+        """Send a request, answering one auth challenge; raise RegistryError if not ``ok``.
+
+        With ``retry`` (for requests that may be repeated as they are) a transient failure
+        is tried again with :attr:`backoff`; the chunked upload passes ``retry=False`` and
+        recovers by itself.
+        """
+        if not retry:
+            return await self._request_once(
+                method, path_or_url, body, headers, scope, ok, streaming_callback
+            )
+        url = path_or_url if "://" in path_or_url else urljoin(self.base, path_or_url)
+        return await self.backoff.run(
+            lambda: self._request_once(
+                method, path_or_url, body, headers, scope, ok, streaming_callback
+            ),
+            transient,
+            f"registry {self.host}: {method} {urlparse(url).path}",
+        )
+
+    async def _request_once(
+        self,
+        method: str,
+        path_or_url: str,
+        body: bytes | None,
+        headers: dict | None,
+        scope: str,
+        ok: tuple[int, ...],
+        streaming_callback,
+    ) -> HTTPResponse:
         url = path_or_url if "://" in path_or_url else urljoin(self.base, path_or_url)
         for attempt in (0, 1):
             h = dict(headers or {})
@@ -391,60 +472,141 @@ class RegistryClient(LoggingConfigurable):
         return int(r.headers.get("Content-Length", "-1"))
 
     async def push_blob_bytes(self, name: str, data: bytes) -> Descriptor:
-        """Upload a small blob monolithically (POST to open, PUT with the body and digest)."""
+        """Upload a small blob monolithically (POST to open, PUT with the body and digest);
+        a failed try starts a new upload (one already there is not sent again)."""
         digest = digest_bytes(data)
-        if await self.blob_size(name, digest) == len(data):
-            return Descriptor("", digest, len(data))
-        location = await self._start_upload(name)
-        await self.request(
-            "PUT",
-            self._with_query(location, digest=digest),
-            body=data,
-            headers={"Content-Type": "application/octet-stream"},
-            scope=f"repository:{name}:pull,push",
-            ok=(201,),
-        )
+
+        async def once() -> None:
+            if await self.blob_size(name, digest) == len(data):
+                return
+            location = await self._start_upload(name)
+            await self.request(
+                "PUT",
+                self._with_query(location, digest=digest),
+                body=data,
+                headers={"Content-Type": "application/octet-stream"},
+                scope=f"repository:{name}:pull,push",
+                ok=(201,),
+                retry=False,
+            )
+
+        await self.backoff.run(once, transient, f"registry {self.host}: upload of {digest}")
         return Descriptor("", digest, len(data))
 
     async def push_blob_file(self, name: str, path: str | os.PathLike) -> Descriptor:
         """Upload a file in chunks of ``chunk_size``, hashing while reading; returns its descriptor.
 
-        Memory use stays at one chunk whatever the file's size.
+        Memory use stays at one chunk whatever the file's size. A chunk that fails for a
+        moment is not simply sent again: the registry is asked how much of the upload it
+        holds (:meth:`upload_offset`) and the upload goes on from there; one that dropped the
+        upload gets a new one from the first byte. ``backoff.attempts`` failures in a row
+        without progress give up, naming the last error.
         """
-        location = await self._start_upload(name)
-        h = hashlib.sha256()
-        offset = 0
+        size = os.path.getsize(path)
+        digest = _ChunkHasher()
         loop = asyncio.get_running_loop()
+        location = await self._start_upload(name)
+        offset = 0
+        failures = 0
+        self.uploaded_bytes = 0
         with open(path, "rb") as f:
+
+            def read(at: int) -> bytes:
+                f.seek(at)
+                return f.read(min(self.chunk_size, size - at))
+
             while True:
-                chunk = await loop.run_in_executor(None, f.read, self.chunk_size)
-                if not chunk:
+                try:
+                    if offset < size:
+                        chunk = await loop.run_in_executor(None, read, offset)
+                        digest.update_at(offset, chunk)
+                        location, offset = await self._patch(name, location, offset, chunk)
+                        failures = 0
+                        continue
+                    await self._finish_upload(name, location, digest.hexdigest(size))
                     break
-                h.update(chunk)
-                r = await self.request(
-                    "PATCH",
-                    location,
-                    body=chunk,
-                    headers={
-                        "Content-Type": "application/octet-stream",
-                        "Content-Range": f"{offset}-{offset + len(chunk) - 1}",
-                        "Content-Length": str(len(chunk)),
-                    },
-                    scope=f"repository:{name}:pull,push",
-                    ok=(202,),
-                )
-                offset += len(chunk)
-                location = self._absolute(r.headers.get("Location", location))
-        digest = "sha256:" + h.hexdigest()
-        await self.request(
-            "PUT",
-            self._with_query(location, digest=digest),
-            body=b"",
-            headers={"Content-Type": "application/octet-stream"},
+                except RegistryError as e:
+                    failures += 1
+                    if e.code not in TRANSIENT or failures >= self.backoff.attempts:
+                        if failures > 1:
+                            raise RegistryError(
+                                f"{e} (gave up after {failures} tries in a row)", e.code
+                            ) from e
+                        raise
+                    wait = self.backoff.delay(failures)
+                    self.log.warning(
+                        "upload of %s to %s/%s failed at byte %d of %d (try %d of %d), "
+                        "resuming in %.1fs: %s",
+                        Path(path).name, self.host, name, offset, size, failures,
+                        self.backoff.attempts, wait, e,
+                    )  # fmt: skip
+                    await asyncio.sleep(wait)
+                    location, offset = await self._resume_point(name, location, offset)
+        return Descriptor("", digest.hexdigest(size), size)
+
+    async def _patch(
+        self, name: str, location: str, offset: int, chunk: bytes
+    ) -> tuple[str, int]:
+        """PATCH one chunk at ``offset``; the next upload URL and offset."""
+        self.uploaded_bytes += len(chunk)
+        r = await self.request(
+            "PATCH",
+            location,
+            body=chunk,
+            headers={
+                "Content-Type": "application/octet-stream",
+                "Content-Range": f"{offset}-{offset + len(chunk) - 1}",
+                "Content-Length": str(len(chunk)),
+            },
             scope=f"repository:{name}:pull,push",
-            ok=(201,),
+            ok=(202,),
+            retry=False,
         )
-        return Descriptor("", digest, offset)
+        held = _range_end(r.headers.get("Range", ""))
+        after = offset + len(chunk) if not held else held + 1  # "0-0" after a chunk: 1 byte
+        return self._absolute(r.headers.get("Location", location)), after
+
+    async def _finish_upload(self, name: str, location: str, digest: str) -> None:
+        """Close the upload with its digest (``PUT ?digest=``). When the answer is lost but
+        the blob is there (a PUT that went through), that is success too."""
+        try:
+            await self.request(
+                "PUT",
+                self._with_query(location, digest=digest),
+                body=b"",
+                headers={"Content-Type": "application/octet-stream"},
+                scope=f"repository:{name}:pull,push",
+                ok=(201,),
+                retry=False,
+            )
+        except RegistryError as e:
+            if e.code in (*TRANSIENT, 404) and await self.blob_size(name, digest) is not None:
+                return
+            raise
+
+    async def upload_offset(self, location: str, scope: str = "") -> tuple[str, int] | None:
+        """How much of the upload at ``location`` the registry holds: (its upload URL now,
+        the offset of the next byte), from ``GET`` on the upload URL (``204`` with
+        ``Range: 0-<last byte>``). None when the registry no longer has that upload."""
+        r = await self.request("GET", location, scope=scope, ok=(204, 400, 404))
+        if r.code != 204:
+            return None
+        end = _range_end(r.headers.get("Range", ""))
+        return self._absolute(r.headers.get("Location", location)), 0 if end is None else end + 1
+
+    async def _resume_point(self, name: str, location: str, offset: int) -> tuple[str, int]:
+        """Where a failed upload goes on: the registry's offset, or a new upload at 0."""
+        found = await self.upload_offset(location, scope=f"repository:{name}:pull,push")
+        if found is not None:
+            url, held = found
+            # "0-0" is both "nothing" and "one byte": never less than what was acknowledged
+            return url, held if held > 1 else min(offset, held)
+        self.log.warning(
+            "registry %s dropped the upload to %s after a failure: starting it again from byte 0",
+            self.host,
+            name,
+        )
+        return await self._start_upload(name), 0
 
     async def fetch_blob_to_file(self, name: str, digest: str, path: str | os.PathLike) -> int:
         """Download a blob to ``path``, streaming, and check its digest; returns its size."""
