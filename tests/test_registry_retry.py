@@ -128,6 +128,13 @@ async def test_idempotent_requests_are_tried_again(tmp_path, registry, proxy):
     assert await pulled_back(registry, pushed, tmp_path / "pulled") == archive.read_bytes()
     assert proxy.sent("PATCH", UPLOADS) == 2 * CHUNK  # the lost PUT answer cost no upload
 
+    # a pull whose first answer is a gateway's error page: the page is not kept, the layer is
+    proxy.faults = [Fault("GET", r"/blobs/sha256:", nth=1)]
+    dest = tmp_path / "via-proxy"
+    await oci.pull_layer(client, f"{proxy.host}/gpusnap/alice@{pushed.digest}", dest)
+    assert proxy.faults[0].hits == 1
+    assert dest.read_bytes() == archive.read_bytes()
+
 
 async def test_a_push_failing_every_time_gives_up_and_leaves_the_archive(tmp_path, registry, proxy):
     archive = archive_file(tmp_path)

@@ -609,25 +609,35 @@ class RegistryClient(LoggingConfigurable):
         return await self._start_upload(name), 0
 
     async def fetch_blob_to_file(self, name: str, digest: str, path: str | os.PathLike) -> int:
-        """Download a blob to ``path``, streaming, and check its digest; returns its size."""
-        h = hashlib.sha256()
-        size = 0
-        with open(path, "wb") as f:
+        """Download a blob to ``path``, streaming, and check its digest; returns its size.
 
-            def write(chunk: bytes) -> None:
-                nonlocal size
-                h.update(chunk)
-                f.write(chunk)
-                size += len(chunk)
+        A download that fails for a moment is tried again from the start (``backoff``).
+        """
 
-            await self.request(
-                "GET",
-                f"/v2/{name}/blobs/{digest}",
-                scope=f"repository:{name}:pull",
-                ok=(200,),
-                streaming_callback=write,
-            )
-        got = "sha256:" + h.hexdigest()
+        async def once() -> tuple[str, int]:
+            h = hashlib.sha256()
+            size = 0
+            with open(path, "wb") as f:
+
+                def write(chunk: bytes) -> None:
+                    nonlocal size
+                    h.update(chunk)
+                    f.write(chunk)
+                    size += len(chunk)
+
+                await self.request(
+                    "GET",
+                    f"/v2/{name}/blobs/{digest}",
+                    scope=f"repository:{name}:pull",
+                    ok=(200,),
+                    streaming_callback=write,
+                    retry=False,
+                )
+            return "sha256:" + h.hexdigest(), size
+
+        got, size = await self.backoff.run(
+            once, transient, f"registry {self.host}: download of {digest}"
+        )
         if got != digest:
             raise RegistryError(
                 f"blob {digest} from {self.host}/{name} arrived as {got}: the download is corrupt; "
