@@ -28,7 +28,13 @@ into: :meth:`ChunkStore.open_chunk`).
 
 **Integrity.** A chunk's id is the sha256 of its plaintext (salted with a value derived
 from the key when encrypted, see :mod:`.keys`); unpacking checks every chunk against its
-id, so a damaged chunk is found before CRIU runs. Writes go to a temporary name and are
+id, so a damaged chunk is found before CRIU runs. A chunk found stored already when a
+checkpoint is packed is read back and compared with the data in hand before it is
+trusted (``verify_dedup``); a damaged copy is replaced by that data. A chunk may have a
+second copy, the *replica* (the same bytes, so sealed the same way) under
+``replica_root``: a read that finds the chunk damaged or missing uses the replica and
+repairs the chunk from it, and :meth:`ChunkStore.scrub_chunk` checks both copies and
+repairs either from the other (:mod:`.scrub` decides which chunks get a replica). Writes go to a temporary name and are
 renamed into place; each new chunk is ``fsync``'ed by the thread that wrote it, and
 :meth:`ChunkStore.sync_dirs` then syncs the folders that gained one. (Not ``syncfs``: it
 would also flush the raw dump CRIU just wrote next to it, which is deleted unread once
@@ -58,6 +64,11 @@ PAGE = 4096
 _K = 0x9E3779B97F4A7C15
 _M64 = (1 << 64) - 1
 _SMALL = 64 << 10  # files below this are one chunk, read without mmap
+
+
+class DamagedChunk(ValueError):
+    """A chunk file is missing or does not hold its chunk (unlike a missing key, which is
+    a plain ValueError: no other copy helps there)."""
 
 
 def cut_points(buf, avg_pages: int = 512, min_pages: int = 128, max_pages: int = 2048) -> list[int]:
@@ -130,12 +141,23 @@ class ChunkStore:
         level: int = 1,
         keys: list[Key] | None = None,
         avg_pages: int = 512,
+        replica_root: Path | str | None = None,
+        replicate_all: bool = False,
+        verify_dedup: bool = True,
+        on_damage: Callable[[str, str, str, bool, str], None] | None = None,
     ):
         self.root = Path(root)
         self.pool = pool
         self.level = level
         self.keys = list(keys or [])
         self.avg_pages = avg_pages
+        # second copies: where (None: none kept), and whether every new chunk gets one
+        self.replica_root = Path(replica_root) if replica_root else None
+        self.replicate_all = bool(replicate_all and replica_root)
+        self.verify_dedup = verify_dedup
+        # on_damage(space, id, found_by, repaired, what): a damaged or missing chunk was
+        # found while writing ("write") or reading ("read") it, and mended or not
+        self.on_damage = on_damage
         self._local = threading.local()
         self._writing: dict[tuple[str, str], threading.Event] = {}
         self._writing_lock = threading.Lock()
@@ -153,6 +175,16 @@ class ChunkStore:
 
     def path(self, space: str, chunk_id: str) -> Path:
         return self.root / space / chunk_id[:2] / chunk_id
+
+    def replica_path(self, space: str, chunk_id: str) -> Path | None:
+        """Where a chunk's second copy is (or would be); None when no replicas are kept."""
+        if self.replica_root is None:
+            return None
+        return self.replica_root / space / chunk_id[:2] / chunk_id
+
+    def _damaged(self, space: str, cid: str, found_by: str, repaired: bool, what: str) -> None:
+        if self.on_damage is not None:
+            self.on_damage(space, cid, found_by, repaired, what)
 
     def _key_for(self, key_id: str) -> Key:
         for k in self.keys:
@@ -216,9 +248,25 @@ class ChunkStore:
         self, data, key: Key | None, space: str, cid: str, final: Path
     ) -> tuple[str, int, int]:
         try:
-            return cid, final.stat().st_size, 0  # stored by an earlier checkpoint
+            size = final.stat().st_size  # stored by an earlier checkpoint
         except FileNotFoundError:
-            pass
+            size = None
+        replica = self.replica_path(space, cid) if self.replicate_all else None
+        if size is not None:
+            if not self.verify_dedup and (replica is None or replica.exists()):
+                return cid, size, 0
+            blob = _read_or_none(final)
+            try:
+                if blob is None:
+                    raise DamagedChunk(f"chunk {cid[:12]}… vanished from {final.parent}")
+                self._decode(blob, cid, len(data))
+            except DamagedChunk as e:  # the data in hand replaces it: a repair
+                self._damaged(space, cid, "write", True, str(e))
+            else:
+                added = 0
+                if replica is not None and not replica.exists():
+                    added = self._install(replica, [blob])
+                return cid, size, added
         packed = self._zc().compress(data) if self.level > 0 else b""
         if packed and len(packed) < len(data) * 0.97:
             codec, payload = ZSTD, packed
@@ -227,23 +275,29 @@ class ChunkStore:
         kid = key.id.encode() if key else b""
         header = MAGIC + bytes((codec, len(kid))) + kid
         body = key.seal(payload, header + cid.encode()) if key else payload
+        n = self._install(final, [header, body])
+        added = n + (self._install(replica, [header, body]) if replica is not None else 0)
+        return cid, n, added
+
+    def _install(self, final: Path, parts: list) -> int:
+        """Write a chunk file durably and atomically (temporary name, fsync, rename; its
+        folder is synced by :meth:`sync_dirs`); the bytes written."""
         if not final.parent.is_dir():
             private_mkdir(final.parent)
             with self._writing_lock:
                 self._new_dirs.update((final.parent.parent, final.parent.parent.parent))
-        tmp = final.parent / f".{cid}.{threading.get_ident()}.tmp"
+        tmp = final.parent / f".{final.name}.{threading.get_ident()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            _write_all(fd, memoryview(header))
-            _write_all(fd, memoryview(body))
+            for part in parts:
+                _write_all(fd, memoryview(part))
             os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, final)
         with self._writing_lock:
             self._new_dirs.add(final.parent)
-        n = len(header) + len(body)
-        return cid, n, n
+        return sum(len(part) for part in parts)
 
     def pack_file(self, path: Path) -> Packed:
         """Store ``path`` as chunks (in ``pool``); return its :class:`Packed` record."""
@@ -301,35 +355,68 @@ class ChunkStore:
 
     # ------------------------------------------------------------ read
     def get(self, space: str, cid: str, length: int) -> bytes:
-        """One chunk's plaintext, checked against its id (ValueError names what is wrong)."""
+        """One chunk's plaintext, checked against its id (ValueError names what is wrong).
+        A damaged or missing chunk is read from its replica, if good, and repaired."""
         try:
-            blob = self.path(space, cid).read_bytes()
-        except FileNotFoundError:
-            raise self._missing(space, cid) from None
-        return self._decode(blob, cid, length)
+            return self._decode(self._read(self.path(space, cid), space, cid), cid, length)
+        except DamagedChunk as e:
+            first = e
+        replica = self.replica_path(space, cid)
+        if replica is None or not replica.exists():
+            self._damaged(space, cid, "read", False, f"{first}; no replica")
+            raise first
+        try:
+            blob = self._read(replica, space, cid)
+            data = self._decode(blob, cid, length)
+        except DamagedChunk as e:
+            self._damaged(space, cid, "read", False, f"{first}; its replica: {e}")
+            raise DamagedChunk(f"{first}; its replica too: {e}") from None
+        self._repair(space, cid, blob, str(first))
+        return data
 
-    def _missing(self, space: str, cid: str) -> ValueError:
-        return ValueError(f"chunk {cid[:12]}… is missing from {self.root / space}")
+    def _read(self, path: Path, space: str, cid: str) -> bytes:
+        try:
+            return path.read_bytes()
+        except FileNotFoundError:
+            raise self._missing(space, cid, path) from None
+
+    def _repair(self, space: str, cid: str, blob: bytes, what: str) -> None:
+        """A chunk found damaged on a read, put back from its replica's ``blob``."""
+        try:
+            self._install(self.path(space, cid), [blob])
+            self.sync_dirs()
+        except OSError as e:
+            self._damaged(space, cid, "read", False, f"{what}; read from its replica, which "
+                          f"could not be copied back: {e}")  # fmt: skip
+            return
+        self._damaged(space, cid, "read", True, what)
+
+    def _missing(self, space: str, cid: str, path: Path | None = None) -> DamagedChunk:
+        where = (path or self.path(space, cid)).parent.parent
+        return DamagedChunk(f"chunk {cid[:12]}… is missing from {where}")
 
     def _decode(self, blob, cid: str, length: int) -> bytes:
         """A whole chunk file's plaintext, checked against its id."""
         codec, klen = _header(blob, cid)
         header = blob[: 6 + klen]
-        kid = header[6:].decode(errors="replace")
+        kid = bytes(header[6:]).decode(errors="replace")
         body = memoryview(blob)[6 + klen :]
         key = None
         if kid:
             key = self._key_for(kid)
-            body = key.open(body, header + cid.encode())
+            try:
+                body = key.open(body, bytes(header) + cid.encode())
+            except ValueError as e:
+                raise DamagedChunk(f"chunk {cid[:12]}… is damaged: {e}") from None
         if codec == ZSTD:
             try:
                 body = self._zd().decompress(body, max_output_size=length)
             except Exception as e:
-                raise ValueError(f"chunk {cid[:12]}… does not decompress: {e}") from None
+                raise DamagedChunk(f"chunk {cid[:12]}… does not decompress: {e}") from None
         elif codec != RAW:
-            raise ValueError(f"chunk {cid[:12]}…: unknown codec {codec}")
+            raise DamagedChunk(f"chunk {cid[:12]}…: unknown codec {codec}")
         if len(body) != length or self._chunk_id(body, key) != cid:
-            raise ValueError(f"chunk {cid[:12]}… does not match its checksum (damaged)")
+            raise DamagedChunk(f"chunk {cid[:12]}… does not match its checksum (damaged)")
         return body
 
     def open_raw(self, space: str, cid: str, length: int) -> tuple[int, int] | None:
@@ -360,9 +447,31 @@ class ChunkStore:
 
     def _open_checked(self, space: str, cid: str, length: int, raw_only: bool):
         try:
-            fd = os.open(self.path(space, cid), os.O_RDONLY)
+            return self._open_at(self.path(space, cid), space, cid, length, raw_only)
+        except DamagedChunk as e:
+            first = e
+        replica = self.replica_path(space, cid)
+        if replica is None or not replica.exists():
+            self._damaged(space, cid, "read", False, f"{first}; no replica")
+            raise first
+        try:
+            out = self._open_at(replica, space, cid, length, raw_only)
+        except DamagedChunk as e:
+            self._damaged(space, cid, "read", False, f"{first}; its replica: {e}")
+            raise DamagedChunk(f"{first}; its replica too: {e}") from None
+        try:
+            blob = replica.read_bytes()
+        except OSError:
+            blob = None
+        if blob is not None:
+            self._repair(space, cid, blob, str(first))
+        return out
+
+    def _open_at(self, path: Path, space: str, cid: str, length: int, raw_only: bool):
+        try:
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
-            raise self._missing(space, cid) from None
+            raise self._missing(space, cid, path) from None
         try:
             codec, klen = _header(os.pread(fd, 6, 0), cid)
             if codec == RAW and not klen:
@@ -395,7 +504,7 @@ class ChunkStore:
         got = os.preadv(fd, [view], 6)
         if (got != length or os.fstat(fd).st_size != length + 6
                 or hashlib.sha256(view).hexdigest() != cid):  # fmt: skip
-            raise ValueError(f"chunk {cid[:12]}… does not match its checksum (damaged)")
+            raise DamagedChunk(f"chunk {cid[:12]}… does not match its checksum (damaged)")
         return 6
 
     def prefetch(self, space: str, cid: str) -> None:
@@ -464,6 +573,49 @@ class ChunkStore:
         for cid in {c for refs in chunks.values() for c, _ in refs}:
             _advise(self.path(space, cid), os.POSIX_FADV_DONTNEED)
 
+    # ------------------------------------------------------------ scrub
+    def scrub_chunk(self, space: str, cid: str, length: int, want_replica: bool) -> tuple[str, int, str]:
+        """Re-read one chunk and its replica, check both against the id and mend what it can;
+        ``(outcome, bytes read, what was wrong)``. Outcomes: ``ok``; ``replicated`` (a
+        replica was wanted and is now written); ``repaired`` (one copy was damaged or
+        missing and is now rewritten from the other); ``damaged`` (no intact copy: the
+        chunk is lost); ``unchecked`` (sealed with a key not in the key file).
+        """
+        primary = self.path(space, cid)
+        replica = self.replica_path(space, cid)
+        blobs = {"chunk": _read_or_none(primary), "replica": _read_or_none(replica) if replica else None}
+        read = sum(len(b) for b in blobs.values() if b is not None)
+        bad: dict[str, str] = {}
+        for which, blob in blobs.items():
+            if blob is None:
+                if which == "chunk":
+                    bad[which] = str(self._missing(space, cid))
+                continue
+            try:
+                self._decode(blob, cid, length)
+            except DamagedChunk as e:
+                bad[which] = str(e)
+            except ValueError as e:  # the key is not in the key file: cannot tell
+                return "unchecked", read, str(e)
+        good = next((blobs[w] for w in ("chunk", "replica") if blobs[w] is not None and w not in bad), None)
+        if good is None:
+            what = bad["chunk"] + (f"; its replica: {bad['replica']}" if "replica" in bad else
+                                   "; no replica")  # fmt: skip
+            return "damaged", read, what
+        try:
+            if "chunk" in bad:
+                self._install(primary, [good])
+            if replica is not None and ("replica" in bad or (blobs["replica"] is None and want_replica)):
+                self._install(replica, [good])
+            self.sync_dirs()
+        except OSError as e:
+            return "damaged", read, "; ".join([*bad.values(), f"cannot write the good copy back: {e}"])
+        if bad:
+            return "repaired", read, "; ".join(
+                f"{'the replica' if w == 'replica' else 'the chunk file'}: {why}" for w, why in bad.items()
+            )
+        return ("replicated" if blobs["replica"] is None and want_replica and replica else "ok"), read, ""
+
     # ------------------------------------------------------------ garbage
     def sweep(self, referenced: Callable[[], set[tuple[str, str]] | None]) -> tuple[int, int]:
         """Delete chunks no checkpoint lists (and leftover temporary files); (count, bytes).
@@ -484,7 +636,15 @@ class ChunkStore:
 
     def _sweep(self, referenced: set[tuple[str, str]]) -> tuple[int, int]:
         count = freed = 0
-        for space in self.root.iterdir():
+        for root in (self.root, self.replica_root):
+            if root is not None and root.is_dir():
+                n, b = self._sweep_in(root, referenced)
+                count, freed = count + n, freed + b
+        return count, freed
+
+    def _sweep_in(self, root: Path, referenced: set[tuple[str, str]]) -> tuple[int, int]:
+        count = freed = 0
+        for space in root.iterdir():
             if not space.is_dir():
                 continue
             for fan in space.iterdir():
@@ -630,10 +790,17 @@ class Follower:
 
 
 def _header(blob, cid: str) -> tuple[int, int]:
-    """A chunk file's codec and key id length (ValueError when it is not a chunk)."""
+    """A chunk file's codec and key id length (DamagedChunk when it is not a chunk)."""
     if len(blob) < 6 or bytes(blob[:4]) != MAGIC:
-        raise ValueError(f"chunk {cid[:12]}… is not a gpusnap chunk (damaged header)")
+        raise DamagedChunk(f"chunk {cid[:12]}… is not a gpusnap chunk (damaged header)")
     return blob[4], blob[5]
+
+
+def _read_or_none(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 def _advise(path: Path, advice: int) -> None:

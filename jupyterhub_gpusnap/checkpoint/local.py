@@ -56,6 +56,7 @@ from ..model import Server, server_key
 from ..procs import boot_clock, started_since, tree_pids
 from . import criu
 from .base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
+from . import scrub as chunk_scrub
 from .chunks import PAGE, STORE, ChunkStore, Follower
 from .gpucompat import gpu_mismatch
 from .keys import Key, KeyFileError, load_keys
@@ -75,6 +76,7 @@ from .streamer import PIPE_BYTES, ChunkStreamer
 from .streamer import SOCKET_NAME as STREAMER_SOCKET
 
 DEFAULT_NAME = "_default"
+REPLICAS = ".chunks-replica"  # replica_dir's default, in checkpoint_dir
 STAGING_PREFIX = "gpusnap-restore-"
 _TS = "%Y%m%dT%H%M%S"
 
@@ -380,6 +382,54 @@ class LocalBackend(CheckpointBackend):
         (which checkpoints) both need it.""",
     ).tag(config=True)
 
+    verify_dedup = Bool(
+        True,
+        help="""storage = 'chunks': when a checkpoint finds one of its chunks stored already
+        (the same data in another snapshot), read the stored copy back and check it before
+        trusting it; a damaged copy is replaced by the fresh data (a repair, counted in
+        gpusnap_chunks_damaged_total{found_by="write"}). Costs a read of the shared data per
+        suspension (docs/operations.md, 'Scrub and repair', has the figures); off trusts the
+        stored copy until the scrub or a restore reads it.""",
+    ).tag(config=True)
+
+    replica_dir = Unicode(
+        "",
+        help="""storage = 'chunks': where second copies of chunks are kept (see
+        replicate_min_servers), in the same layout and sealed the same way as the chunks.
+        Empty: <checkpoint_dir>/.chunks-replica, which survives damaged sectors and flipped
+        bits but not the loss of the disk; a folder on a second disk survives that too
+        (the manifests are in checkpoint_dir, so back that up as well). Root-only (0700).""",
+    ).tag(config=True)
+
+    replicate_min_servers = Integer(
+        2,
+        min=0,
+        help="""storage = 'chunks': a chunk that the snapshots of at least this many servers
+        need (suspended ones, and failed restores kept for rescue) is stored twice, in
+        replica_dir, so that one damaged copy breaks no restore: the more snapshots depend on
+        a chunk, the more it is worth. 2 (default): shared chunks. 1: every chunk, each
+        written twice at the suspension itself (about twice the disk and write time). 0: no
+        replicas. Replicas of newly shared chunks are made by the next scrub() call (the
+        service's housekeeping, hourly).""",
+    ).tag(config=True)
+
+    scrub_interval = Float(
+        7 * 86400.0,
+        help="""storage = 'chunks': seconds between two full scrubs, which re-read every
+        stored chunk and its replica, repair either from the other, and mark the checkpoints
+        that need a chunk damaged beyond repair as failed (logged, counted in
+        gpusnap_chunks_damaged_total and gpusnap_checkpoints_damaged). 0: no scheduled full
+        scrub (scrub(full=True) still runs one).""",
+    ).tag(config=True)
+
+    scrub_bytes_per_second = Integer(
+        64 << 20,
+        min=0,
+        help="""storage = 'chunks': most bytes per second a scrub reads, so that it does not
+        slow suspensions and restores down (a full scrub of S bytes of chunks and replicas
+        takes at least S / this). 0: as fast as the disk goes.""",
+    ).tag(config=True)
+
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         if self.encryption_key_file:
@@ -429,6 +479,13 @@ class LocalBackend(CheckpointBackend):
         """The keys of ``encryption_key_file`` (read on each use: rotation needs no restart)."""
         return load_keys(self.encryption_key_file) if self.encryption_key_file else []
 
+    @property
+    def replica_root(self) -> Path | None:
+        """Where chunks' second copies go (None: replicate_min_servers = 0)."""
+        if self.replicate_min_servers <= 0:
+            return None
+        return Path(self.replica_dir) if self.replica_dir else self.root / REPLICAS
+
     def chunk_store(self) -> ChunkStore:
         """The chunk store under checkpoint_dir, with the current keys."""
         return ChunkStore(
@@ -437,7 +494,20 @@ class LocalBackend(CheckpointBackend):
             level=self.compression_level,
             keys=self.keys(),
             avg_pages=self.average_chunk_bytes // PAGE,
+            replica_root=self.replica_root,
+            replicate_all=self.replicate_min_servers == 1,
+            verify_dedup=self.verify_dedup,
+            on_damage=self._chunk_damaged,
         )
+
+    def _chunk_damaged(self, space: str, cid: str, found_by: str, repaired: bool, what: str) -> None:
+        """A chunk was found damaged while written or read (the store's threads call this)."""
+        chunk_scrub.count_damage(found_by, repaired)
+        if repaired:
+            how = "replaced by the fresh data" if found_by == "write" else "repaired from its replica"
+            self.log.warning("chunk %s… (%s) was damaged: %s; %s", cid[:12], space, what, how)
+        else:
+            self.log.error("chunk %s… (%s) is damaged and has no intact copy: %s", cid[:12], space, what)
 
     async def _require_criu(self) -> str:
         """The CRIU version, checked once per binary (``criu --version`` costs a fork+exec);
@@ -929,6 +999,39 @@ class LocalBackend(CheckpointBackend):
         if count:
             self.log.info("deleted %d unused chunks (%.1f MiB)", count, freed / 2**20)
         return count, freed
+
+    async def scrub(self, full: bool | None = None) -> dict:
+        """Check the chunk store and keep shared chunks twice (see :mod:`.scrub`); the
+        report as a dict (empty when there is no chunk store).
+
+        Each call makes the replicas that chunks shared by ``replicate_min_servers`` servers
+        lack; a full pass (every chunk and replica re-read, at most
+        ``scrub_bytes_per_second``) runs when ``full`` is True, or when None and
+        ``scrub_interval`` has passed since the last one ended. Long: run it as a task of its
+        own, not in a loop that must stay on time.
+        """
+        store_dir = self.root / STORE
+        if not store_dir.is_dir():
+            return {}
+        try:
+            store = self.chunk_store()
+        except KeyFileError as e:
+            self.log.error("chunk scrub skipped: %s", e)
+            return {}
+        if full is None:
+            last = chunk_scrub.load_state(store).get("last_full_end")
+            full = self.scrub_interval > 0 and (
+                not isinstance(last, (int, float)) or time.time() - last >= self.scrub_interval
+            )
+        found = [
+            (self._id(folder), folder, m, _rescue_since(folder, m) is not None)
+            for folder, m in self._load_all()
+        ]
+        report = await chunk_scrub.scrub(
+            store, found, full=bool(full), min_servers=self.replicate_min_servers,
+            bytes_per_second=self.scrub_bytes_per_second, log=self.log,
+        )  # fmt: skip
+        return report.as_dict()
 
     def _referenced(self) -> set[tuple[str, str]] | None:
         """The (space, chunk id) pairs checkpoints list; None when that cannot be known."""

@@ -1,0 +1,205 @@
+"""Shared chunks damaged: replicas, verification on write, the scrub. Real CRIU, real trees,
+the real chunk store on disk; damage is a bit flipped in a chunk file, as a disk does."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from conftest import TREE_PROGRAM
+
+from jupyterhub_gpusnap import metrics
+from jupyterhub_gpusnap.checkpoint import CheckpointError
+from jupyterhub_gpusnap.checkpoint.chunks import STORE
+from jupyterhub_gpusnap.checkpoint.keys import new_key_line
+from jupyterhub_gpusnap.checkpoint.local import REPLICAS, LocalBackend
+from jupyterhub_gpusnap.checkpoint.manifest import Manifest
+from jupyterhub_gpusnap.model import Server
+
+pytestmark = pytest.mark.criu
+
+# The test tree holding 4 MiB that every copy of it holds alike (a model's weights, say):
+# two servers' snapshots then share those chunks. Every answer carries their sha256.
+SHARED_TREE = TREE_PROGRAM.replace(
+    'state = {"secret"',
+    'import hashlib\nweights = random.Random(7).randbytes(4 << 20)\nstate = {"secret"',
+).replace("reply = dict(state,", "reply = dict(state, weights=hashlib.sha256(weights).hexdigest(),")
+
+
+def counter(name: str, **labels: str) -> float:
+    return metrics.REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def damaged(found_by: str, result: str) -> float:
+    return counter("gpusnap_chunks_damaged_total", found_by=found_by, result=result)
+
+
+def flip_bit(path) -> bytes:
+    """Flip one bit in the middle of a file (as a bad sector would); its old bytes."""
+    good = path.read_bytes()
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0x10
+    path.write_bytes(bytes(bad))
+    return good
+
+
+def make_backend(tmp_path, **kw) -> LocalBackend:
+    kw.setdefault("average_chunk_bytes", 64 << 10)
+    return LocalBackend(
+        checkpoint_dir=str(tmp_path / "ckpt"), min_free_bytes=0, storage="chunks", **kw
+    )
+
+
+def chunk_ids(backend, info) -> dict[str, int]:
+    m = Manifest.load(backend.folder(info.id))
+    return {cid: n for refs in m.chunks.values() for cid, n in refs}
+
+
+async def suspend_two(backend, process_tree):
+    """alice's and bob's servers, the same program, suspended: (trees, infos, shared ids)."""
+    trees, infos, before = [], [], []
+    for user in ("alice", "bob"):
+        tree = process_tree(pidns=True, program=SHARED_TREE)
+        await tree.wait_ready()
+        before.append(await tree.ask("inc"))
+        infos.append(await backend.checkpoint(Server(user=user, name="", state={"pid": tree.pid})))
+        trees.append(tree)
+    a, b = (chunk_ids(backend, i) for i in infos)
+    shared = sorted(set(a) & set(b), key=lambda c: -a[c])
+    assert sum(a[c] for c in shared) >= 3 << 20, "the weights are not stored once for both"
+    return trees, infos, before, shared
+
+
+async def restore_both_intact(backend, trees, infos, before):
+    for tree, info, was in zip(trees, infos, before, strict=True):
+        tree.pid, _, _ = await backend.restore(info)
+        now = await tree.ask("get")
+        assert now["weights"] == was["weights"] and now["secret"] == was["secret"]
+        assert now["count"] == was["count"]
+
+
+async def test_shared_chunk_damaged_scrub_and_restore_repair_it_from_the_replica(
+    tmp_path, process_tree
+):
+    """Two users' snapshots share chunks: the scrub stores those twice (sealed the same
+    way); a flipped bit in one is repaired by the full scrub, in another by the restore
+    that meets it, and both servers come back intact."""
+    keys = tmp_path / "keys"
+    keys.write_text(new_key_line("k1") + "\n")
+    keys.chmod(0o600)
+    backend = make_backend(tmp_path, encryption_key_file=str(keys))
+    trees, infos, before, shared = await suspend_two(backend, process_tree)
+    store = backend.chunk_store()
+    alice_only = set(chunk_ids(backend, infos[0])) - set(shared)
+
+    report = await backend.scrub(full=False)  # the service's hourly call: replicas only
+    assert not report["full"] and report["replicated"] == len(shared) and not report["damaged"]
+    for cid in shared:
+        replica = store.replica_path("k1", cid)
+        assert replica.is_file() and replica.read_bytes() == store.path("k1", cid).read_bytes()
+        assert replica.parent.parent.parent == backend.root / REPLICAS
+    assert not any(store.replica_path("k1", c).exists() for c in alice_only)
+    assert (await backend.scrub(full=False))["chunks"] == 0  # nothing left to replicate
+
+    # 1. the scrub finds a damaged shared chunk and repairs it from the replica
+    first = store.path("k1", shared[0])
+    good = flip_bit(first)
+    repaired_before = damaged("scrub", "repaired")
+    report = await backend.scrub(full=True)
+    assert report["full"] and [r.split(":")[0] for r in report["repaired"]] == [f"{shared[0][:12]}…"]
+    assert report["damaged"] == [] and report["checkpoints_damaged"] == []
+    assert report["bytes_read"] >= report["chunks"] and report["ok"] == report["chunks"] - 1
+    assert first.read_bytes() == good
+    assert damaged("scrub", "repaired") == repaired_before + 1
+
+    # 2. a restore meets a damaged shared chunk: it reads the replica and repairs the chunk
+    second = store.path("k1", shared[1])
+    good = flip_bit(second)
+    read_before = damaged("read", "repaired")
+    await restore_both_intact(backend, trees, infos, before)
+    assert second.read_bytes() == good
+    assert damaged("read", "repaired") == read_before + 1
+    assert [(await backend.get(i.id)).status for i in infos] == ["restored", "restored"]
+
+
+async def test_damaged_chunk_without_a_replica_is_found_and_reported(
+    tmp_path, process_tree, caplog
+):
+    """A chunk only alice's snapshot lists has no second copy: the scrub cannot repair it,
+    so it says so everywhere an admin looks (the checkpoint's status and error, the log,
+    the metrics) and alice's next start is a fresh server, not a failed restore. bob's
+    snapshot, which does not list that chunk, is untouched."""
+    backend = make_backend(tmp_path)
+    trees, infos, before, shared = await suspend_two(backend, process_tree)
+    store = backend.chunk_store()
+    await backend.scrub(full=False)
+    only = sorted(set(chunk_ids(backend, infos[0])) - set(shared))[0]
+    assert not store.replica_path("plain", only).exists()
+    flip_bit(store.path("plain", only))
+    lost_before = damaged("scrub", "unrepairable")
+
+    with caplog.at_level(logging.ERROR):
+        report = await backend.scrub(full=True)
+
+    assert [d.split(":")[0] for d in report["damaged"]] == [f"{only[:12]}…"]
+    assert "no replica" in report["damaged"][0]
+    assert report["checkpoints_damaged"] == [infos[0].id]
+    alice = await backend.get(infos[0].id)
+    assert alice.status == "failed" and "damaged beyond repair" in alice.error
+    assert only[:12] in alice.error and "scrub" in alice.error
+    assert [d["chunk"] for d in alice.extra["damaged_chunks"]] == [only]
+    assert alice.extra["retention_days"] == 30  # kept for rescue, as a failed restore is
+    assert await backend.latest("alice", "") is None  # next start: fresh, said why
+    assert f"checkpoint {infos[0].id} lists chunk {only[:12]}" in caplog.text
+    assert damaged("scrub", "unrepairable") == lost_before + 1
+    assert counter("gpusnap_checkpoints_damaged") == 1
+    assert counter("gpusnap_scrub_completed_timestamp_seconds") > 0
+    with pytest.raises(CheckpointError, match="failed, not verified"):
+        await backend.restore(alice)
+    # bob's snapshot does not list it: verified, and restores intact
+    assert (await backend.get(infos[1].id)).status == "verified"
+    trees[1].pid, _, _ = await backend.restore(infos[1])
+    assert (await trees[1].ask("get"))["weights"] == before[1]["weights"]
+    # a second full scrub marks nothing twice
+    assert (await backend.scrub(full=True))["checkpoints_damaged"] == []
+
+
+async def test_a_suspension_repairs_a_damaged_shared_chunk_it_would_have_trusted(
+    tmp_path, process_tree
+):
+    """Verification on write: bob's suspension finds the weights stored already (by
+    alice's), reads them back, finds one chunk damaged and stores its own good copy over
+    it; alice's snapshot then restores intact too."""
+    backend = make_backend(tmp_path, replicate_min_servers=0)  # no replicas: only this helps
+    alice_tree = process_tree(pidns=True, program=SHARED_TREE)
+    await alice_tree.wait_ready()
+    alice_before = await alice_tree.ask("inc")
+    alice = await backend.checkpoint(Server(user="alice", name="", state={"pid": alice_tree.pid}))
+    store = backend.chunk_store()
+    ids = chunk_ids(backend, alice)
+    biggest = max(ids, key=ids.get)  # part of the weights
+    good = flip_bit(store.path("plain", biggest))
+    write_before = damaged("write", "repaired")
+
+    bob_tree = process_tree(pidns=True, program=SHARED_TREE)
+    await bob_tree.wait_ready()
+    bob_before = await bob_tree.ask("inc")
+    bob = await backend.checkpoint(Server(user="bob", name="", state={"pid": bob_tree.pid}))
+
+    assert biggest in chunk_ids(backend, bob)
+    assert store.path("plain", biggest).read_bytes() == good
+    assert damaged("write", "repaired") == write_before + 1
+    await restore_both_intact(backend, [alice_tree, bob_tree], [alice, bob], [alice_before, bob_before])
+
+
+async def test_a_sweep_deletes_replicas_no_checkpoint_needs(tmp_path, process_tree):
+    backend = make_backend(tmp_path)
+    trees, infos, before, shared = await suspend_two(backend, process_tree)
+    await backend.scrub(full=False)
+    replicas = backend.root / REPLICAS
+    assert sum(1 for p in replicas.rglob("*") if p.is_file()) == len(shared)
+    await backend.delete(infos[0].id)  # bob's still lists them: kept
+    assert sum(1 for p in replicas.rglob("*") if p.is_file()) == len(shared)
+    await backend.delete(infos[1].id)
+    assert not [p for p in replicas.rglob("*") if p.is_file()]
+    assert not [p for p in (backend.root / STORE).rglob("*") if p.is_file() and p.name != ".lock"]
