@@ -485,6 +485,8 @@ class FakeKube:
         self.pvcs: dict[str, dict] = {}
         self.configz: dict[str, dict] = {}  # node -> kubeletconfig served at /configz
         self.workloads: dict[tuple[str, str], Workload] = {}
+        self.containers: dict[tuple[str, str], object] = {}  # real runc containers of pods
+        self.archives: list[list[str]] = []  # member names of every archive the kubelet wrote
         self.tokens: dict[str, str] = {}  # bearer token -> username
         self.forbidden: set[str] = set()  # resources (e.g. "nodes/checkpoint") RBAC denies
         self.allowed: set[tuple[str, str, str, str]] = set()  # what SSARs report allowed
@@ -641,9 +643,18 @@ class FakeKube:
         pod_ip: str = "127.0.0.1",
         gpus: int = 1,
         host_pid: bool = False,
+        runtime=None,
     ) -> dict:
-        """Add a running pod; ``workload`` is the local process its container stands for."""
+        """Add a running pod; ``workload`` is the local process its container stands for,
+        ``runtime`` (an :class:`oci_runtime.Container`) the real container it runs: the pod
+        then has that container's ID, its sandbox's UID and IP, and the kubelet checkpoints
+        it through the real runtime."""
         cid = uuid.uuid4().hex + uuid.uuid4().hex
+        uid = str(uuid.uuid4())
+        status_id = f"containerd://{cid}"
+        if runtime is not None:
+            cid, uid, pod_ip = runtime.id, runtime.sandbox.uid, runtime.sandbox.ip
+            status_id = runtime.status_id
         resources = {"limits": {"nvidia.com/gpu": str(gpus)}} if gpus else {}
         spec = {
             "nodeName": node,
@@ -666,7 +677,7 @@ class FakeKube:
             "metadata": {
                 "name": name,
                 "namespace": namespace,
-                "uid": str(uuid.uuid4()),
+                "uid": uid,
                 "resourceVersion": self.next_rv(),
                 "creationTimestamp": rfc3339(),
                 "labels": dict(labels or {}),
@@ -691,7 +702,7 @@ class FakeKube:
                         "started": True,
                         "image": "quay.io/jupyter/pytorch-notebook:cuda12-2026-11-01",
                         "imageID": "quay.io/jupyter/pytorch-notebook@sha256:" + "ab" * 32,
-                        "containerID": f"containerd://{cid}",
+                        "containerID": status_id,
                         "state": {"running": {"startedAt": rfc3339()}},
                     }
                 ],
@@ -700,6 +711,8 @@ class FakeKube:
         self.pods[(namespace, name)] = validate(pod)
         if workload is not None:
             self.workloads[(namespace, name)] = workload
+        if runtime is not None:
+            self.containers[(namespace, name)] = runtime
         self.notify("ADDED", pod)
         return pod
 
@@ -851,11 +864,22 @@ class FakeKube:
     # -- the kubelet's checkpoint ---------------------------------------------------------
 
     async def kubelet_checkpoint(self, namespace: str, name: str, container: str) -> str:
-        """Dump the pod's workload with CRIU and write a kubelet-style archive; return its host path."""
+        """Checkpoint the pod's container; return the archive's host path.
+
+        A pod running a real runc container (``add_pod(runtime=…)``) is checkpointed by the
+        runtime: ``runc checkpoint --leave-running`` and the archive CRI-O writes
+        (:meth:`oci_runtime.Container.checkpoint`). Otherwise the pod's local workload is
+        dumped with CRIU into an archive laid out like the kubelet's."""
         pod = self.pods[(namespace, name)]
-        workload = self.workloads[(namespace, name)]
         stamp = rfc3339()
         base = f"checkpoint-{name}_{namespace}-{container}-{stamp}"
+        real = self.containers.get((namespace, name))
+        if real is not None:
+            archive = await asyncio.to_thread(real.checkpoint, self.checkpoints, base)
+            self.archives.append(tar_names(archive))
+            self.checkpointed.append(f"{namespace}/{name}/{container}")
+            return f"{KUBELET_DIR}/{archive.name}"
+        workload = self.workloads[(namespace, name)]
         work = self.root / "kubelet-work" / base
         images = work / "checkpoint"
         images.mkdir(parents=True)
@@ -1505,9 +1529,11 @@ class Cluster:
         name: str = "",
         placeholder_for: str = "",
         node: str = NODE,
+        runtime=None,
     ) -> dict:
         """A user's server pod (on ``node``); with ``placeholder_for`` the placeholder
-        SnapKubeSpawner creates to restore that checkpoint image into."""
+        SnapKubeSpawner creates to restore that checkpoint image into; ``runtime``: the
+        real container (:class:`oci_runtime.Container`) the pod runs."""
         pod = f"jupyter-{user}" + (f"--{name}" if name else "")
         annotations = {"hub.jupyter.org/username": user, "hub.jupyter.org/servername": name}
         if placeholder_for:
@@ -1519,6 +1545,7 @@ class Cluster:
             workload=workload,
             labels={"component": "singleuser-server", "hub.jupyter.org/username": user},
             annotations=annotations,
+            runtime=runtime,
         )
 
     async def restore_into(

@@ -31,6 +31,7 @@ import hmac
 import json
 import os
 import re
+import tarfile
 import time
 from pathlib import Path
 
@@ -62,6 +63,7 @@ from ..park import Parking
 from ..park import park as park_pids
 from ..park import unpark as unpark_pids
 from ..signals.nvml import Nvml
+from .container_archive import ContainerArchive, apply_rootfs_diff
 from .errors import AgentError, need
 from .handlers import (
     CheckpointHandler,
@@ -77,6 +79,8 @@ from .kubelet import KubeAPI, KubeletClient
 from .placeholder import JOINABLE_NAMESPACES, PLACEHOLDER_ANNOTATION, Placeholder, pick_root
 from .pods import CpuMeter, PodMapper, container_id
 from .rbac import Need, agent_rbac_needs
+from .restore_launch import restore_inheriting
+from .runtime_state import find_state
 from .ship import Shipper, delete_local, remove_tree, sweep_archives
 
 
@@ -205,6 +209,26 @@ class AgentApp(Application):
         f"{PLACEHOLDER_ANNOTATION}=<the image being restored> (SnapKubeSpawner sets it on its "
         "placeholder pods), so that a restore can never take over another running pod. "
         "Turn off only for placeholder pods made by other tools.",
+    ).tag(config=True)
+
+    runtime_state_dirs = List(
+        Unicode(),
+        ["/run/runc", "/run/containerd/runc/k8s.io"],
+        help="Folders where the node's OCI runtime (runc) keeps its containers' state "
+        "(<folder>/<container id>/state.json): CRI-O with runc uses /run/runc, containerd "
+        "/run/containerd/runc/k8s.io. A restore reads the placeholder container's root "
+        "filesystem and volume paths there (CRIU cannot take them from another mount "
+        "namespace through /proc/<pid>/root). Mount them into the agent pod (hostPath) at "
+        "the same paths under host_root.",
+    ).tag(config=True)
+
+    host_root = Unicode(
+        "",
+        help="Where the node's root filesystem is visible to the agent, e.g. '/host' for a "
+        "hostPath '/' mounted with mountPropagation: HostToContainer (the placeholder's "
+        "root filesystem and volumes are mounts the runtime makes later). Prefixed to "
+        "runtime_state_dirs and to every path read from the runtime's state. Empty: the "
+        "agent sees the node's paths as they are.",
     ).tag(config=True)
 
     restore_root = Unicode(
@@ -792,12 +816,19 @@ class AgentApp(Application):
                 "the host's cgroup v2 hierarchy at PodMapper.cgroup_root",
                 409,
             )
+        runtime = await asyncio.to_thread(
+            find_state,
+            container_id(status["containerID"]),
+            list(self.runtime_state_dirs),
+            self.host_root,
+        )
         target = await asyncio.to_thread(
             Placeholder.of,
             root,
             self.mapper.proc_root,
             self.mapper.cgroup_root,
             list(self.restore_join_namespaces),
+            runtime,
         )
         if not os.access(target.cgroup / "cgroup.procs", os.W_OK):
             raise AgentError(
@@ -837,19 +868,19 @@ class AgentApp(Application):
                 )
             images = await self.shipper.fetch(image, scratch)
             extra = list(self.criu_restore_args)
-            if target is not None:
-                extra += target.criu_args()
-            elif self.restore_root:
-                extra += ["--root", self.restore_root]
             try:
-                restored = await criu_tools.restore(
-                    images,
-                    scratch / "restore.pid",
-                    criu=self.criu_path,
-                    extra=extra,
-                    timeout=self.restore_timeout,
-                    cgroup=target.cgroup if target is not None else None,
-                )
+                if target is not None:
+                    restored = await self._restore_into(target, images, scratch, extra)
+                else:
+                    if self.restore_root:
+                        extra += ["--root", self.restore_root]
+                    restored = await criu_tools.restore(
+                        images,
+                        scratch / "restore.pid",
+                        criu=self.criu_path,
+                        extra=extra,
+                        timeout=self.restore_timeout,
+                    )
             except CheckpointError as e:
                 raise AgentError(
                     f"criu restore of {image} failed: {e}",
@@ -890,6 +921,35 @@ class AgentApp(Application):
             return result
         finally:
             self._busy.pop(key, None)
+
+    async def _restore_into(
+        self, target: Placeholder, images: Path, scratch: Path, extra: list[str]
+    ):
+        """Restore the container archive around ``images`` into the placeholder ``target``:
+        its file changes into the placeholder's root filesystem, then CRIU with the
+        placeholder's root, volumes, network namespace and stdio (see :mod:`.placeholder`)."""
+        archive = await asyncio.to_thread(ContainerArchive.read, images)
+        args, inherit = target.restore_args(archive)
+        if target.runtime is not None:
+            written = await asyncio.to_thread(apply_rootfs_diff, archive, target.rootfs)
+            self.log.info("applied %d changed files of the checkpoint to %s", written, target.rootfs)
+        elif _has_rootfs_changes(archive):
+            raise AgentError(
+                "the checkpoint carries file changes (rootfs-diff.tar) but the agent found no "
+                "runtime state of the placeholder container to apply them to",
+                "point AgentApp.runtime_state_dirs at the container runtime's state folder "
+                "(CRI-O with runc: /run/runc; containerd: /run/containerd/runc/k8s.io)",
+                409,
+            )
+        return await restore_inheriting(
+            images,
+            scratch / "restore.pid",
+            criu=self.criu_path,
+            extra=extra + args,
+            inherit=inherit,
+            cgroup=target.cgroup,
+            timeout=self.restore_timeout,
+        )
 
     async def park(self, body: dict, resume: bool) -> dict:
         """Park (or unpark) a pod's GPU memory with the same code the service uses on one
@@ -999,6 +1059,17 @@ class AgentApp(Application):
                 "ClusterRole (helm-values/agent/rbac.yaml)",
             )
         return {"checks": checks}
+
+
+def _has_rootfs_changes(archive: ContainerArchive) -> bool:
+    diff = archive.folder / "rootfs-diff.tar"
+    if archive.deleted_files():
+        return True
+    try:
+        with tarfile.open(diff, "r:") as tar:
+            return tar.next() is not None
+    except (OSError, tarfile.TarError):
+        return False
 
 
 def _children(pid: int) -> list[psutil.Process]:

@@ -3,20 +3,31 @@
 A GPU pod is restored into a *placeholder*: a pod with the checkpoint's image and GPU
 request whose container only waits (``sleep infinity``). The agent finds that
 container's first process on the node (host PIDs → pods through ``/proc/<pid>/cgroup``,
-see :mod:`.pods`) and runs ``criu restore`` so that the restored tree
+see :mod:`.pods`), the container's root filesystem and volumes on the node (its runtime's
+state, see :mod:`.runtime_state`), and runs ``criu restore`` so that the restored tree
 
-- sees the container's root filesystem: ``--root /proc/<pid>/root``;
-- joins the pod's network, IPC and UTS namespaces: ``--join-ns net:/proc/<pid>/ns/net``
-  (``ipc``, ``uts``), so the server answers on the pod IP the Hub and proxy know;
+- sees the placeholder's root filesystem (``--root``, the node's path of it), with the
+  checkpointed container's own file changes put back first (``rootfs-diff.tar``);
+- has the placeholder's volumes at the places the checkpointed container had its bind
+  mounts (``--external mnt[<destination>]:<the placeholder's source>``), so the same
+  PVC (the user's home) is where the server left its open files; masked files are
+  ``/dev/null`` again;
+- joins the pod's network namespace: as a pod's container it had joined its sandbox's,
+  which runc records as external ``extRootNetNS``; the agent hands CRIU the placeholder's
+  (``--inherit-fd fd[N]:extRootNetNS``), so the server answers on the pod IP the Hub and
+  proxy know. IPC and UTS: ``--join-ns ipc:/proc/<pid>/ns/ipc`` (and ``uts``);
+- writes to the placeholder's stdout and stderr (``--inherit-fd`` of the placeholder's
+  pipes for the ``pipe:[…]`` stdio the archive lists): ``kubectl logs`` shows the
+  restored server;
 - lives in the container's cgroup, so the pod's memory/CPU limits apply, its memory is
   charged to the pod, and deleting the pod stops it. ``criu restore`` itself is started
-  inside that cgroup (like runc does for container restores; ``criu.restore(cgroup=…)``
-  writes the child into ``cgroup.procs`` before it execs criu), so every restored task
+  inside that cgroup (like runc does for container restores), so every restored task
   is born there; ``--manage-cgroups=ignore`` keeps CRIU from recreating the checkpointed
   container's old cgroup paths. Any task found outside afterwards is moved in.
 
-CRIU cannot join a PID namespace: the restored tree keeps host PIDs outside the
-container's PID namespace (``kubectl exec … ps`` does not list it).
+CRIU cannot join a PID namespace: the restored tree gets a PID namespace of its own
+(the server is PID 1 there again, as in its old container) and does not show in
+``kubectl exec … ps`` of the placeholder.
 """
 
 from __future__ import annotations
@@ -25,7 +36,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .container_archive import MASK_KEY, NET_KEY, ContainerArchive
 from .errors import AgentError
+from .runtime_state import RuntimeState
 
 #: Pod annotation SnapKubeSpawner puts on a placeholder pod: the checkpoint it waits for.
 #: The agent restores only into a pod that carries it with the image being restored.
@@ -94,14 +107,24 @@ class Placeholder:
     proc_root: str
     cgroup: Path  # the container's cgroup directory under PodMapper.cgroup_root
     namespaces: dict[str, str] = field(default_factory=dict)  # "net" -> "net:[4026…]"
+    runtime: RuntimeState | None = None  # its runtime's record: root filesystem, volumes
+    own_mount_ns: bool = False  # in a mount namespace other than the agent's
 
     @classmethod
-    def of(cls, pid: int, proc_root: str, cgroup_root: str, join: list[str]) -> Placeholder:
+    def of(
+        cls,
+        pid: int,
+        proc_root: str,
+        cgroup_root: str,
+        join: list[str],
+        runtime: RuntimeState | None = None,
+    ) -> Placeholder:
         """Read the process's cgroup and namespaces; AgentError if it is gone or unreadable."""
         proc = Path(proc_root) / str(pid)
         try:
             path = cgroup_v2_path((proc / "cgroup").read_text())
             namespaces = {ns: os.readlink(proc / "ns" / ns) for ns in join}
+            own_mnt = os.readlink(proc / "ns" / "mnt") != os.readlink("/proc/self/ns/mnt")
         except OSError as e:
             raise AgentError(
                 f"cannot read process {pid} of the placeholder: {e}",
@@ -115,15 +138,71 @@ class Placeholder:
                 "GPU restores need nodes with the unified cgroup hierarchy (cgroup v2)",
                 500,
             )
-        return cls(pid, proc_root, resolve_cgroup(cgroup_root, path), namespaces)
+        return cls(pid, proc_root, resolve_cgroup(cgroup_root, path), namespaces, runtime, own_mnt)
 
-    def criu_args(self) -> list[str]:
-        """``criu restore`` arguments: the container's root, namespaces and no cgroup moves."""
+    @property
+    def rootfs(self) -> Path:
+        """The placeholder's root filesystem as the agent (and CRIU) can bind mount it."""
+        if self.runtime is not None:
+            return self.runtime.rootfs
+        return Path(self.proc_root) / str(self.pid) / "root"
+
+    def restore_args(self, archive: ContainerArchive) -> tuple[list[str], list[tuple[str, str]]]:
+        """``criu restore`` arguments for ``archive`` into this container, and the files to
+        hand CRIU as inherited fds: ``(path to open, CRIU key)``, the caller opens each and
+        passes ``--inherit-fd fd[N]:key``.
+
+        Raises a 409 AgentError when the placeholder cannot take the archive: it runs in
+        a mount namespace of its own and its runtime's state is unknown (CRIU cannot bind
+        mount across mount namespaces), or it lacks a volume the checkpointed container
+        had (files open there would be missing).
+        """
+        if self.runtime is None and self.own_mount_ns:
+            raise AgentError(
+                f"the placeholder's process {self.pid} runs in its own mount namespace and "
+                "the agent found no runtime state for its container",
+                "point AgentApp.runtime_state_dirs at the container runtime's state folder "
+                "(CRI-O with runc: /run/runc; containerd: /run/containerd/runc/k8s.io) and "
+                "make the node's paths visible to the agent (AgentApp.host_root)",
+                409,
+            )
         proc = Path(self.proc_root) / str(self.pid)
-        args = ["--root", str(proc / "root"), "--manage-cgroups=ignore"]
+        args = ["--root", str(self.rootfs), "--manage-cgroups=ignore"]
+        inherit: list[tuple[str, str]] = []
+        for dest in archive.bind_mounts():
+            source = self.volume(dest)
+            if source is None:
+                raise AgentError(
+                    f"the placeholder container has nothing mounted at {dest}, where the "
+                    "checkpointed container had a volume",
+                    "give the placeholder pod the server pod's volumes (SnapKubeSpawner "
+                    "creates it from the same pod spec); files the server had open there "
+                    "cannot be restored without them",
+                    409,
+                )
+            args += ["--external", f"mnt[{dest}]:{source}"]
+        if archive.masks_files():
+            args += ["--external", f"mnt[{MASK_KEY}]:/dev/null"]
         for ns in self.namespaces:
-            args += ["--join-ns", f"{ns}:{proc / 'ns' / ns}"]
-        return args
+            if ns == "net" and archive.joined("network"):
+                inherit.append((str(proc / "ns" / "net"), NET_KEY))
+            else:
+                args += ["--join-ns", f"{ns}:{proc / 'ns' / ns}"]
+        for fd, key in archive.stdio_pipes().items():
+            mine = proc / "fd" / str(fd)
+            try:
+                if os.readlink(mine).startswith("pipe:"):
+                    inherit.append((str(mine), key))
+            except OSError:
+                continue  # no such fd: CRIU restores the pipe from the image
+        return args, inherit
+
+    def volume(self, dest: str) -> Path | None:
+        """The node's path of what the placeholder has mounted at ``dest`` (None: nothing)."""
+        if self.runtime is not None:
+            return self.runtime.mounts.get(dest)
+        path = self.rootfs / dest.lstrip("/")
+        return path if path.exists() else None
 
     def adopt(self, pids: list[int]) -> list[int]:
         """Move any of ``pids`` not in the container's cgroup into it; return those moved."""
