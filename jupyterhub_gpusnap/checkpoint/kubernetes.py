@@ -39,6 +39,7 @@ from ..agent.errors import AgentError
 from ..agent.kubelet import KubeAPI
 from ..gpuview import GpuReading, from_agent
 from ..model import Server
+from ..retry import Backoff
 from . import oci
 from .base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
 
@@ -119,6 +120,35 @@ class AgentLocator(LoggingConfigurable):
     def _api(self) -> KubeAPI:
         return KubeAPI(parent=self)
 
+    backoff = Instance(Backoff)
+
+    @default("backoff")
+    def _default_backoff(self) -> Backoff:
+        return Backoff(parent=self)
+
+    async def kube(self, what: str, call, done_if: int = 0):
+        """An API-server call (``call()``), tried again on no answer and 5xx, never on 4xx.
+
+        ``done_if``: the status that, on a second try, says the first one went through
+        though its answer was lost (409 AlreadyExists for a create, 404 for a delete);
+        then None is returned.
+        """
+        tries = 0
+
+        async def once():
+            nonlocal tries
+            tries += 1
+            try:
+                return await call()
+            except AgentError as e:
+                if tries > 1 and done_if and e.code == done_if:
+                    return None
+                raise
+
+        return await self.backoff.run(
+            once, lambda e: isinstance(e, AgentError) and e.code >= 500, f"API server: {what}"
+        )
+
     def pod_of(self, server: Server) -> tuple[str, str]:
         """(namespace, pod name) of a server."""
         state = server.state or {}
@@ -133,10 +163,13 @@ class AgentLocator(LoggingConfigurable):
         return namespace, name
 
     async def agent_url(self, node: str) -> str:
-        pods = await self.api.list_pods(
-            self.agent_namespace,
-            label_selector=self.agent_label_selector,
-            field_selector=f"spec.nodeName={node}",
+        pods = await self.kube(
+            f"list agent pods on node {node}",
+            lambda: self.api.list_pods(
+                self.agent_namespace,
+                label_selector=self.agent_label_selector,
+                field_selector=f"spec.nodeName={node}",
+            ),
         )
         ready = [p for p in pods if (p.get("status") or {}).get("podIP")]
         if not ready:
@@ -155,7 +188,12 @@ class AgentLocator(LoggingConfigurable):
 
     async def agent_urls(self) -> dict[str, str]:
         """Base URL of the agent on every node that runs one (node name → URL): one list call."""
-        pods = await self.api.list_pods(self.agent_namespace, label_selector=self.agent_label_selector)
+        pods = await self.kube(
+            "list agent pods",
+            lambda: self.api.list_pods(
+                self.agent_namespace, label_selector=self.agent_label_selector
+            ),
+        )
         urls: dict[str, str] = {}
         for pod in pods:
             node = (pod.get("spec") or {}).get("nodeName")
@@ -164,7 +202,7 @@ class AgentLocator(LoggingConfigurable):
         return urls
 
     async def node_of(self, namespace: str, pod: str) -> str:
-        obj = await self.api.get_pod(namespace, pod)
+        obj = await self.kube(f"get pod {namespace}/{pod}", lambda: self.api.get_pod(namespace, pod))
         node = (obj.get("spec") or {}).get("nodeName")
         if not node:
             raise AgentError(
@@ -184,8 +222,26 @@ class AgentLocator(LoggingConfigurable):
         path: str,
         body: dict | None = None,
         timeout: float | None = None,
+        retry: bool | None = None,
     ) -> dict:
-        """Call an agent; its ``{"error", "fix"}`` answers become AgentError."""
+        """Call an agent; its ``{"error", "fix"}`` answers become AgentError.
+
+        ``retry`` (default: every call but a GET, whose caller reads periodically and
+        whose next tick is its retry) tries again with :attr:`backoff` what
+        :func:`agent_failure_is_transient` calls a moment's failure.
+        """
+        if retry is None:
+            retry = method != "GET"
+        once = lambda: self._call_once(base, method, path, body, timeout)  # noqa: E731
+        if not retry:
+            return await once()
+        return await self.backoff.run(
+            once, lambda e: getattr(e, "transient", False), f"gpusnap agent at {base}: {method} {path}"
+        )
+
+    async def _call_once(
+        self, base: str, method: str, path: str, body: dict | None, timeout: float | None
+    ) -> dict:
         req = HTTPRequest(
             base + path,
             method=method,
@@ -202,11 +258,13 @@ class AgentLocator(LoggingConfigurable):
                 504,
             ) from e
         except OSError as e:
-            raise AgentError(
+            err = AgentError(
                 f"cannot reach the gpusnap agent at {base}: {e}",
                 "check the agent pod and the NetworkPolicy allowing the hub side to reach it",
                 502,
-            ) from e
+            )
+            err.transient = agent_failure_is_transient(method, 0, False)
+            raise err from e
         if r.code == 599:
             raise AgentError(
                 f"the gpusnap agent at {base} did not answer {method} {path}: {r.error}",
@@ -216,12 +274,36 @@ class AgentLocator(LoggingConfigurable):
         try:
             data = json.loads(r.body or b"{}")
         except ValueError:
+            data = {}
+        said = isinstance(data, dict) and bool(data.get("error"))
+        if not isinstance(data, dict) or (r.code >= 400 and not said):
             data = {"error": (r.body or b"")[:200].decode(errors="replace"), "fix": ""}
         if r.code >= 400:
-            raise AgentError(
+            err = AgentError(
                 data.get("error") or f"agent answered {r.code}", data.get("fix", ""), r.code
             )
+            err.transient = agent_failure_is_transient(method, r.code, said)
+            raise err
         return data
+
+
+def agent_failure_is_transient(method: str, code: int, agent_said: bool) -> bool:
+    """Whether a failed call to a node agent is worth another try.
+
+    ``code`` 0: the agent could not be reached (refused, reset): yes. A 502/503/504 not
+    from the agent itself (no ``{"error"}`` JSON: a gateway or a restarting pod): yes.
+    A 5xx the agent itself answers: only for a GET; a POST's error is the agent's
+    considered answer after its own retries (registry, API server), and repeating a
+    checkpoint would freeze the server again. A 4xx or a timeout (the call may still be
+    running): never.
+    """
+    if code == 0:
+        return True
+    if code < 500:
+        return False
+    if not agent_said:
+        return code in (502, 503, 504)
+    return method == "GET"
 
 
 class KubernetesBackend(CheckpointBackend):
@@ -484,15 +566,23 @@ class KubernetesBackend(CheckpointBackend):
         }
 
     async def _record(self, info: CheckpointInfo) -> None:
-        await self.api.request(
-            "POST", f"/api/v1/namespaces/{self.namespace}/configmaps", body=self._configmap(info)
+        cm = self._configmap(info)
+        await self.locator.kube(
+            f"create ConfigMap {cm['metadata']['name']}",
+            lambda: self.api.request(
+                "POST", f"/api/v1/namespaces/{self.namespace}/configmaps", body=cm
+            ),
+            done_if=409,
         )
 
     async def _records(self, selector: str) -> list[tuple[str, CheckpointInfo]]:
-        result = await self.api.request(
-            "GET",
-            f"/api/v1/namespaces/{self.namespace}/configmaps",
-            query={"labelSelector": selector},
+        result = await self.locator.kube(
+            "list checkpoint ConfigMaps",
+            lambda: self.api.request(
+                "GET",
+                f"/api/v1/namespaces/{self.namespace}/configmaps",
+                query={"labelSelector": selector},
+            ),
         )
         out = []
         for cm in result.get("items") or []:
@@ -542,7 +632,11 @@ class KubernetesBackend(CheckpointBackend):
                     await client.delete_manifest(ref.name, ref.digest)
                 except oci.RegistryError as e:
                     self.log.warning("%s: image %s stays in the registry: %s", info.key, info.id, e)
-            await self.api.request(
-                "DELETE", f"/api/v1/namespaces/{self.namespace}/configmaps/{name}"
+            await self.locator.kube(
+                f"delete ConfigMap {name}",
+                lambda name=name: self.api.request(
+                    "DELETE", f"/api/v1/namespaces/{self.namespace}/configmaps/{name}"
+                ),
+                done_if=404,
             )
             self.log.info("%s: checkpoint %s deleted", info.key, info.id)
