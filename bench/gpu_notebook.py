@@ -4,32 +4,49 @@ For each size (GiB of torch tensors, positional, fractions allowed; default 1 8 
 times, the two paths alternating which goes first:
 
 - **gpusnap**: a real JupyterHub and proxy (``tests/realhub.py``) with
-  ``SnapSimpleLocalProcessSpawner`` (servers as root, each in the sandbox of
-  ``jupyterhub_gpusnap/sandbox.py``). alice's server is started through the Hub API and a cell
-  in a real ipykernel, sent through the proxy, puts N GiB of random tensors on the GPU
-  (``xs``, 1 GiB ``torch.randn`` chunks) and sets ``x = 42``. The server is then suspended as
-  the service does it: ``LocalBackend.checkpoint(Server(user, name, state))`` with the spawner
-  state from the Hub API, then ``DELETE /users/alice/server``. Recorded: ``gpu_bytes`` and
+  ``SnapLocalProcessSpawner``, the spawner docs/install.md recommends: the server runs as a
+  real Unix user (``--user``, default ``gpusnap-bench``), each in the sandbox of
+  ``jupyterhub_gpusnap/sandbox.py`` (root's init, the server and its kernels as the user; no
+  ``--allow-root``). The user's server is started through the Hub API and a cell in a real
+  ipykernel, sent through the proxy, puts N GiB of random tensors on the GPU (``xs``, 1 GiB
+  ``torch.randn`` chunks) and sets ``x = 42``. The server is then suspended as the service
+  does it: ``LocalBackend.checkpoint(Server(user, name, state))`` with the spawner state from
+  the Hub API, then ``DELETE /users/<user>/server``. Recorded: ``gpu_bytes`` and
   ``image_bytes`` (manifest), ``time_to_gpu_free_s`` (manifest), ``time_to_disk_s`` (the
   checkpoint call, start to verified return: image fsync'ed, processes ended) and
   ``gpu_free_after`` (NVML: no process of the server's tree holds GPU memory and the GPU's used
   memory is back within 256 MiB of what it was before the server started). Then the "click":
-  ``POST /users/alice/server`` until the *same* kernel (same id) answers ``print(x)`` through the
+  ``POST /users/<user>/server`` until the *same* kernel (same id) answers ``print(x)`` through the
   proxy with 42 (``click_to_kernel_s``; ``click_to_ready_s`` until the Hub lists the server
   ready), then the checksum cell again (``first_tensor_cell_s``; ``intact``: same checksum).
-- **bare**: the same jupyter server + kernel workload, no Hub, the recipe of issue 21 done by
-  hand: ``unshare --pid --fork --mount-proc setsid sh -c 'exec jupyter server … </dev/null
-  >>log 2>&1'`` (stdio opened inside the namespaces); the CUDA driver's lock + checkpoint
+- **bare**: the same jupyter server + kernel workload as the same user, no Hub, the recipe of
+  issue 21 done by hand: ``unshare --pid --fork --mount-proc setpriv --reuid U --regid G
+  --init-groups setsid sh -c 'exec jupyter server … </dev/null >>log 2>&1'`` (all ids switched
+  before the shell, which would drop privileges itself if the real and effective ids
+  differed; stdio opened inside the namespaces, the log in a folder the user owns; the
+  environment a ``LocalProcessSpawner`` gives: its ``env_keep`` plus HOME, USER, LOGNAME and
+  SHELL of the user); the CUDA driver's lock + checkpoint
   through ctypes on every process of the tree holding a CUDA context (``bare_gpu_free_s``);
   ``criu dump --tcp-close --leave-stopped --file-locks --skip-in-flight --ext-mount-map auto
-  --enable-external-sharing --enable-external-masters`` of the namespace's init; every image file
+  --enable-external-sharing --enable-external-masters`` of the namespace's init (the same CRIU
+  binary as the backend's, ``find_criu()``); every image file
   fsync'ed; the frozen tree killed and waited for. ``bare_dump_s`` is all of that (the same
   steps ``time_to_disk_s`` covers). Then ``criu restore -d --tcp-close --file-locks`` with the
   same mount flags plus ``--root /``, the driver's restore + unlock, until the same kernel
   answers ``print(x)`` (``bare_restore_s``); the checksum cell again (``bare_intact``). CRIU
   runs at its default log level here (the backend asks for ``-v4``).
 
-One Hub serves the whole run (its folder and log stay under ``--dir``); alice's server starts
+The user: created when missing (``useradd --create-home --shell /bin/bash``) and kept after
+the run (nothing the machine needs is removed); never root. So that it can run the Hub's
+Python, the kit's site-packages (``PYTHONPATH``, ``site.getsitepackages()``) and this
+checkout (``jupyterhub_gpusnap`` is imported by its server), the folders above them get o+x
+for the run, as an install under /opt would have them, and their modes are put back at the
+end (SIGTERM included); the run's ``--dir`` gets o+x too (the bare server's folder in it is
+the user's). ``server_uid`` / ``bare_server_uid`` (JSON rows and the checks table, with
+``server_user`` in the JSON) are the uids the jupyter servers ran as (from /proc), and the
+run fails unless they, and the uid each kernel reports, are the user's.
+
+One Hub serves the whole run (its folder and log stay under ``--dir``); the user's server starts
 fresh for each run. The bench's own ``LocalBackend`` has the Hub's settings (same
 ``checkpoint_dir``, ``min_free_bytes = 0``, files storage).
 
@@ -51,11 +68,12 @@ driver >= 570, PyTorch, CRIU >= 4.2, jupyterhub, jupyter_server, ipykernel and
 configurable-http-proxy (on the GPU machine: ``source .carry/kit.sh``).
 
 Usage: ``python3 bench/gpu_notebook.py [GIB ...] [--gib GIB ...] [--repeat N] [--dir DIR]
-[--keep-cache]`` → ``bench/results/gpu_notebook.json`` for the default sizes, else
+[--keep-cache] [--user NAME]`` → ``bench/results/gpu_notebook.json`` for the default sizes, else
 ``gpu_notebook_<sizes>.json`` (``--out NAME`` to choose), written after every size so that a
 run cut short (SIGTERM included: servers and Hub are cleaned up) keeps what it measured, with
 ``error`` and ``partial_runs``. Progress lines carry the seconds since the start; on a failure
-the ends of the Hub's and alice's server's logs are printed. Exit status 1 when a check failed
+the ends of the Hub's and the user's server's logs (and of the bare server's log, when that
+path failed) are printed. Exit status 1 when a check failed
 (data changed, GPU not freed, a step failed).
 """
 
@@ -65,14 +83,18 @@ import argparse
 import ast
 import asyncio
 import os
+import pwd
 import secrets
 import shlex
 import shutil
 import signal
+import site
+import stat
 import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from common import ROOT, GiB, print_table, write_json
@@ -81,7 +103,7 @@ if str(ROOT / "tests") not in sys.path:  # realhub, kernel_ws and their siblings
     sys.path.insert(0, str(ROOT / "tests"))
 
 MiB = 1 << 20
-USER = "alice"
+BENCH_USER = "gpusnap-bench"  # --user: the Unix user whose servers are measured
 DEFAULT_SIZES = [1.0, 8.0, 24.0]
 SLACK = 256 * MiB  # GPU memory that may stay used after a server is gone (NVML's own noise)
 TARGETS = {"gpu_free_ratio": 1.05, "disk_ratio": 1.10, "click_ratio": 1.10}
@@ -95,6 +117,10 @@ SERVER_ARGS = [
     f"--ServerApp.jpserver_extensions={ext}=False"
     for ext in ("jupyterlab", "jupyter_lsp", "notebook_shim")
 ]
+#: What JupyterHub's LocalProcessSpawner passes on from the Hub's environment (Spawner.env_keep's
+#: default); the bare server gets the same, plus the user's HOME, USER, LOGNAME and SHELL.
+ENV_KEEP = ("PATH", "PYTHONPATH", "CONDA_ROOT", "CONDA_DEFAULT_ENV", "VIRTUAL_ENV", "LANG", "LC_ALL",
+            "JUPYTERHUB_SINGLEUSER_APP")  # fmt: skip
 
 T0 = time.monotonic()
 
@@ -110,7 +136,7 @@ class BenchError(RuntimeError):
 # ------------------------------------------------------------------------ the kernel's cells
 
 ALLOCATE = r'''
-import hashlib, sys, time
+import hashlib, os, sys, time
 try:
     import torch
 except ImportError as e:
@@ -149,7 +175,7 @@ _t = time.perf_counter()
 xs = _bench_alloc(NBYTES, SEED)
 x = 42
 torch.cuda.synchronize()
-print("DIGEST", digest(), sum(t.numel() * t.element_size() for t in xs), round(time.perf_counter() - _t, 3))
+print("DIGEST", digest(), sum(t.numel() * t.element_size() for t in xs), round(time.perf_counter() - _t, 3), os.getuid())
 '''
 DIGEST_CELL = 'print("DIGEST", digest())'
 X_CELL = "print(x)"
@@ -206,7 +232,7 @@ def check_machine(root: Path, sizes: list[float]) -> str:
                if not _importable(m)]  # fmt: skip
     if missing:
         sys.exit(f"not importable by {sys.executable}: {', '.join(missing)} (source .carry/kit.sh)")
-    for tool in ("configurable-http-proxy", "unshare", "setsid"):
+    for tool in ("configurable-http-proxy", "unshare", "setpriv", "setsid"):
         if not shutil.which(tool):
             sys.exit(f"{tool} not on PATH (source .carry/kit.sh)")
     from jupyterhub_gpusnap.checkpoint.criu import find_criu
@@ -248,6 +274,120 @@ def filesystem_of(path: Path) -> str:
     except OSError:
         pass
     return f"{best[1]} on {best[0]}" if best[0] else "unknown"
+
+
+# ------------------------------------------------------------------------ the user
+
+
+def ensure_user(name: str) -> pwd.struct_passwd:
+    """The Unix user the servers run as: ``name``, created (``useradd --create-home --shell
+    /bin/bash``) if missing, never root, with a home folder. BenchError naming the fix otherwise."""
+    try:
+        pw = pwd.getpwnam(name)
+    except KeyError:
+        cmd = ["useradd", "--create-home", "--shell", "/bin/bash", name]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True)
+        except FileNotFoundError:
+            raise BenchError(
+                f"{name} does not exist and there is no useradd on PATH: create the user by "
+                "hand or pass --user an existing non-root user"
+            ) from None
+        if done.returncode != 0:
+            raise BenchError(
+                f"cannot create the bench user: {shlex.join(cmd)} exited {done.returncode}: "
+                f"{done.stderr.strip()}; create it by hand or pass --user an existing non-root user"
+            ) from None
+        pw = pwd.getpwnam(name)
+        say(f"created the user {name} (uid {pw.pw_uid}, home {pw.pw_dir}); it stays after the run")
+    if pw.pw_uid == 0 or pw.pw_gid == 0:
+        raise BenchError(
+            f"--user {name} is uid {pw.pw_uid}, gid {pw.pw_gid}: the bench measures servers run "
+            "as a real, unprivileged user; pass another name (default gpusnap-bench)"
+        )
+    if not os.path.isdir(pw.pw_dir):
+        raise BenchError(
+            f"{name}'s home {pw.pw_dir} does not exist (the server starts there): "
+            f"mkhomedir_helper {name}, or pass another --user"
+        )
+    return pw
+
+
+def reach_targets(root: Path) -> list[Path]:
+    """What the user's servers must reach: the Hub's Python (as called and resolved), the
+    kit's site-packages (``PYTHONPATH``, this Python's site folders), this checkout and the
+    run's folder."""
+    exe = Path(sys.executable)
+    targets = [exe.resolve(), exe.parent, exe.resolve().parent, ROOT, root]
+    extra = os.environ.get("PYTHONPATH", "").split(os.pathsep) + site.getsitepackages()
+    targets += [Path(p) for p in extra if p and os.path.isabs(p)]
+    return [t for t in dict.fromkeys(targets) if t.exists()]
+
+
+@contextmanager
+def traversable(targets: list[Path]):
+    """o+x on each target folder and every folder above each target (a clone under /root is
+    0700), as an install under /opt would have them; the old modes are put back on exit.
+    Yields the folders changed."""
+    changed: list[tuple[Path, int]] = []
+    try:
+        for target in targets:
+            for folder in [target, *target.parents] if target.is_dir() else target.parents:
+                mode = folder.stat().st_mode
+                if not mode & stat.S_IXOTH:
+                    changed.append((folder, mode))
+                    os.chmod(folder, stat.S_IMODE(mode) | stat.S_IXOTH)
+        if changed:
+            say("o+x for the run (put back after): " + " ".join(str(f) for f, _ in changed))
+        yield [f for f, _ in changed]
+    finally:
+        for folder, mode in reversed(changed):
+            try:
+                os.chmod(folder, stat.S_IMODE(mode))
+            except OSError as e:
+                say(f"WARNING: could not put back the mode {stat.S_IMODE(mode):o} of {folder}: {e}")
+
+
+def bare_env(pw: pwd.struct_passwd) -> dict[str, str]:
+    """The bare server's environment: what a LocalProcessSpawner passes (``ENV_KEEP`` from
+    this environment, the user's HOME, USER, LOGNAME, SHELL), unbuffered output."""
+    env = {k: os.environ[k] for k in ENV_KEEP if k in os.environ}
+    env.update(
+        HOME=pw.pw_dir, USER=pw.pw_name, LOGNAME=pw.pw_name, SHELL=pw.pw_shell or "/bin/sh",
+        PYTHONUNBUFFERED="1",
+    )  # fmt: skip
+    return env
+
+
+def bare_command(server: list[str], log: Path, pw: pwd.struct_passwd) -> list[str]:
+    """``server`` as the user in its own PID + mount namespace with its own /proc, stdio
+    opened inside (by the user's shell, after all ids are switched: a shell whose real and
+    effective ids differ drops privileges itself)."""
+    inner = f"exec {shlex.join(server)} </dev/null >>{shlex.quote(str(log))} 2>&1"
+    return [
+        "unshare", "--pid", "--fork", "--mount-proc",
+        "setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups",
+        "setsid", "sh", "-c", inner,
+    ]  # fmt: skip
+
+
+def uid_of(pid: int) -> int | None:
+    """The real uid of ``pid`` (None if it is gone)."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).uids().real
+    except psutil.Error:
+        return None
+
+
+def check_uids(tag: str, pw: pwd.struct_passwd, server_uid: int | None, kernel_uid: str) -> None:
+    """BenchError unless the jupyter server and its kernel ran as the bench user."""
+    if server_uid != pw.pw_uid or kernel_uid != str(pw.pw_uid):
+        raise BenchError(
+            f"{tag}: the server ran as uid {server_uid}, its kernel as uid {kernel_uid}, not as "
+            f"{pw.pw_name} (uid {pw.pw_uid}): the figures would not be those of a user's server"
+        )
 
 
 # ------------------------------------------------------------------------ NVML
@@ -359,13 +499,14 @@ async def wait_gone(pids: list[int], timeout: float) -> bool:
 # ------------------------------------------------------------------------ gpusnap: the Hub path
 
 HUB_CONFIG = """
-c.JupyterHub.spawner_class = "jupyterhub_gpusnap.spawner.SnapSimpleLocalProcessSpawner"
+c.JupyterHub.spawner_class = "jupyterhub_gpusnap.spawner.SnapLocalProcessSpawner"
 c.LocalBackend.checkpoint_dir = {ckpt!r}
 c.LocalBackend.min_free_bytes = 0
-c.SnapSimpleLocalProcessSpawner.restore_timeout = {restore_timeout}
+c.SnapLocalProcessSpawner.restore_timeout = {restore_timeout}
+c.Spawner.cmd = ["jupyterhub-singleuser"]
 c.Spawner.start_timeout = {start_timeout}
 c.Spawner.http_timeout = 120
-c.Spawner.args = ["--allow-root"] + {server_args!r}
+c.Spawner.args = {server_args!r}
 c.Spawner.default_url = "/api/status"
 """
 
@@ -386,7 +527,20 @@ async def wait_ready_fast(hub, user: str, timeout: float) -> None:
         await asyncio.sleep(0.05)
 
 
-async def gpusnap_run(hub, backend, gpu: Gpu, gib: float, nbytes: int, seed: int) -> dict:
+def server_under(init: int) -> int:
+    """The server of the sandbox whose init is ``init`` (its only child; 0 if none)."""
+    import psutil
+
+    try:
+        kids = psutil.Process(init).children()
+    except psutil.Error:
+        return 0
+    return kids[0].pid if kids else 0
+
+
+async def gpusnap_run(
+    hub, backend, gpu: Gpu, pw: pwd.struct_passwd, gib: float, nbytes: int, seed: int
+) -> dict:
     from gpu_suspend import drop_caches
 
     from jupyterhub_gpusnap.model import Server
@@ -394,25 +548,28 @@ async def gpusnap_run(hub, backend, gpu: Gpu, gib: float, nbytes: int, seed: int
 
     lim = Limits(gib)
     tag = f"{gib:g} GiB gpusnap"
+    user = pw.pw_name
     base = await asyncio.to_thread(gpu.used)
     t = time.monotonic()
     await bounded(
-        hub.start_server(USER, timeout=lim.start), lim.start + 10, f"{tag}: starting the server"
+        hub.start_server(user, timeout=lim.start), lim.start + 10, f"{tag}: starting the server"
     )
     spawn_s = time.monotonic() - t
     t = time.monotonic()
     kernel, out = await bounded(
-        hub.execute(USER, allocate_code(nbytes, seed), timeout=lim.alloc), lim.alloc + 10,
+        hub.execute(user, allocate_code(nbytes, seed), timeout=lim.alloc), lim.alloc + 10,
         f"{tag}: the allocating cell",
     )  # fmt: skip
     checksum, rest = parse_digest(out, f"{tag}: allocating cell")
     say(f"{tag}: server up in {spawn_s:.1f} s, kernel {kernel[:8]} holds {int(rest[0]) / GiB:.2f} GiB "
         f"(cell {time.monotonic() - t:.1f} s), checksum {checksum[:12]}")  # fmt: skip
-    model = await hub.get_server(USER)
+    model = await hub.get_server(user)
     state = (model or {}).get("state") or {}
     if not state.get("pid"):
         raise BenchError(f"{tag}: no pid in the server's state from the Hub API: {model}")
     tree = tree_pids(state["pid"])
+    server_uid = uid_of(server_under(state["pid"]))  # the sandbox's init is root's; its child
+    check_uids(tag, pw, server_uid, rest[2] if len(rest) > 2 else "?")
     held = await asyncio.to_thread(gpu.holders, tree)
     if not held:
         raise BenchError(
@@ -422,7 +579,7 @@ async def gpusnap_run(hub, backend, gpu: Gpu, gib: float, nbytes: int, seed: int
 
     t = time.monotonic()
     info = await bounded(
-        backend.checkpoint(Server(user=USER, name="", state=state)),
+        backend.checkpoint(Server(user=user, name="", state=state)),
         lim.checkpoint,
         f"{tag}: checkpoint",
     )
@@ -436,22 +593,22 @@ async def gpusnap_run(hub, backend, gpu: Gpu, gib: float, nbytes: int, seed: int
     say(f"{tag}: checkpoint {info.id}: GPU free after {gpu_free_s:.2f} s, on disk after "
         f"{time_to_disk:.2f} s, image {info.image_bytes / GiB:.2f} GiB, GPU freed: {gpu_free_after}")  # fmt: skip
     await bounded(
-        hub.stop_server(USER, timeout=lim.stop),
+        hub.stop_server(user, timeout=lim.stop),
         lim.stop + 10,
         f"{tag}: stopping (DELETE) after the checkpoint",
     )
 
     cold = False if KEEP_CACHE else drop_caches()
-    say(f"{tag}: click (POST /users/{USER}/server)")
+    say(f"{tag}: click (POST /users/{user}/server)")
     t = time.monotonic()
-    status, data = await hub.api("POST", f"/users/{USER}/server", {}, timeout=60)
+    status, data = await hub.api("POST", f"/users/{user}/server", {}, timeout=60)
     if status not in (201, 202):
-        raise BenchError(f"{tag}: POST /users/{USER}/server: {status} {data}; see {hub.log_file}")
-    await wait_ready_fast(hub, USER, lim.restore)
+        raise BenchError(f"{tag}: POST /users/{user}/server: {status} {data}; see {hub.log_file}")
+    await wait_ready_fast(hub, user, lim.restore)
     ready_s = time.monotonic() - t
     try:
         _, out = await bounded(
-            hub.execute(USER, X_CELL, kernel_id=kernel, timeout=lim.cell),
+            hub.execute(user, X_CELL, kernel_id=kernel, timeout=lim.cell),
             lim.cell + 10,
             f"{tag}: print(x)",
         )
@@ -467,7 +624,7 @@ async def gpusnap_run(hub, backend, gpu: Gpu, gib: float, nbytes: int, seed: int
         raise BenchError(f"{tag}: print(x) in the restored kernel gave {out!r}, not 42")
     t = time.monotonic()
     _, out = await bounded(
-        hub.execute(USER, DIGEST_CELL, kernel_id=kernel, timeout=lim.alloc), lim.alloc + 10,
+        hub.execute(user, DIGEST_CELL, kernel_id=kernel, timeout=lim.alloc), lim.alloc + 10,
         f"{tag}: the checksum cell after the restore",
     )  # fmt: skip
     first_tensor_cell = time.monotonic() - t
@@ -478,7 +635,7 @@ async def gpusnap_run(hub, backend, gpu: Gpu, gib: float, nbytes: int, seed: int
         f"{restore_s:.2f} s); checksum cell {first_tensor_cell:.2f} s, intact: {after == checksum}")  # fmt: skip
 
     await bounded(
-        hub.stop_server(USER, timeout=lim.stop),
+        hub.stop_server(user, timeout=lim.stop),
         lim.stop + 10,
         f"{tag}: stopping the restored server",
     )
@@ -500,6 +657,7 @@ async def gpusnap_run(hub, backend, gpu: Gpu, gib: float, nbytes: int, seed: int
         "restored": bool(done and done.status == "restored"),
         "cold_cache": bool(cold),
         "spawn_s": round(spawn_s, 3),
+        "server_uid": server_uid,
         "checkpoint_phases": {
             k: info.extra.get(k) for k in ("time_to_gpu_free_s", "dump_seconds", "seal_seconds")
         },
@@ -514,10 +672,14 @@ async def gpusnap_run(hub, backend, gpu: Gpu, gib: float, nbytes: int, seed: int
 
 
 class BareServer:
-    """``jupyter server`` in its own PID + mount namespace with its own /proc, stdio opened inside."""
+    """``jupyter server`` as the user in its own PID + mount namespace with its own /proc, stdio
+    opened inside (:func:`bare_command`). ``folder`` (the server's root, its log) becomes the
+    user's."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, pw: pwd.struct_passwd):
         self.folder = folder
+        self.pw = pw
+        os.chown(folder, pw.pw_uid, pw.pw_gid)
         self.log = folder / "server.log"
         from ports import free_port
 
@@ -530,18 +692,17 @@ class BareServer:
 
     async def start(self, timeout: float) -> None:
         server = [
-            sys.executable, "-m", "jupyter_server", "--allow-root", "--no-browser",
+            sys.executable, "-m", "jupyter_server", "--no-browser",
             "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
             f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.folder}", *SERVER_ARGS,
         ]  # fmt: skip
-        inner = f"exec {shlex.join(server)} </dev/null >>{shlex.quote(str(self.log))} 2>&1"
-        # unshare's own errors (before sh opens the log inside) go to unshare.log, a file
-        # only unshare holds: the dumped tree's stdio is replaced by sh's redirections
+        # unshare's and setpriv's own errors (before sh opens the log inside) go to
+        # unshare.log, a file only unshare holds: the dumped tree's stdio is sh's redirections
         with open(self.folder / "unshare.log", "wb") as errors:
             self.launcher = subprocess.Popen(
-                ["unshare", "--pid", "--fork", "--mount-proc", "setsid", "sh", "-c", inner],
+                bare_command(server, self.log, self.pw),
                 stdin=subprocess.DEVNULL, stdout=errors, stderr=errors,
-                start_new_session=True, cwd=self.folder, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True, cwd=self.folder, env=bare_env(self.pw),
             )  # fmt: skip
         import psutil
         from tornado.httpclient import AsyncHTTPClient, HTTPRequest
@@ -627,8 +788,8 @@ async def run_criu(args: list[str], timeout: float, what: str, log: Path) -> Non
                          f"{out.decode(errors='replace')[-1000:]}")  # fmt: skip
 
 
-async def bare_run(root: Path, criu: str, cuda, gpu: Gpu, gib: float, nbytes: int, seed: int,
-                   live: list) -> dict:  # fmt: skip
+async def bare_run(root: Path, criu: str, cuda, gpu: Gpu, pw: pwd.struct_passwd, gib: float,
+                   nbytes: int, seed: int, live: list) -> dict:  # fmt: skip
     from gpu_suspend import drop_caches
     from kernel_ws import new_kernel
 
@@ -639,7 +800,7 @@ async def bare_run(root: Path, criu: str, cuda, gpu: Gpu, gib: float, nbytes: in
     tag = f"{gib:g} GiB bare"
     base = await asyncio.to_thread(gpu.used)
     folder = Path(tempfile.mkdtemp(dir=root, prefix="bare-"))
-    server = BareServer(folder)
+    server = BareServer(folder, pw)
     live.append(server)
     restored, restored_started = 0, None
     try:
@@ -650,7 +811,9 @@ async def bare_run(root: Path, criu: str, cuda, gpu: Gpu, gib: float, nbytes: in
         out = await execute_bare(
             server, kernel, allocate_code(nbytes, seed), lim.alloc, f"{tag}: the allocating cell"
         )
-        checksum, _ = parse_digest(out, f"{tag}: allocating cell")
+        checksum, rest = parse_digest(out, f"{tag}: allocating cell")
+        server_uid = uid_of(server.init)  # the namespace's init is the jupyter server
+        check_uids(tag, pw, server_uid, rest[2] if len(rest) > 2 else "?")
         tree = tree_pids(server.init)
         cuda_pids = [p for p in tree if await asyncio.to_thread(cuda.state, p) == "running"]
         if not cuda_pids:
@@ -762,7 +925,12 @@ async def bare_run(root: Path, criu: str, cuda, gpu: Gpu, gib: float, nbytes: in
             "bare_gpu_free_after": gpu_free_after,
             "bare_intact": after == checksum,
             "bare_cold_cache": bool(cold),
+            "bare_server_uid": server_uid,
         }
+    except BaseException:
+        print(f"---- last lines of the bare server's logs ({folder})", flush=True)
+        print("\n".join(server.log_tail().splitlines()[-40:]), flush=True)
+        raise
     finally:
         kill_same(restored, restored_started)
         server.kill()
@@ -778,7 +946,8 @@ COLUMNS = [
     "time_to_disk_s", "bare_dump_s", "disk_ratio", "click_to_kernel_s", "bare_restore_s", "click_ratio",
     "restore_ratio",
 ]  # fmt: skip
-CHECKS = ["gib", "intact", "bare_intact", "gpu_free_after", "bare_gpu_free_after", "restored",
+CHECKS = ["gib", "server_uid", "bare_server_uid", "intact", "bare_intact", "gpu_free_after",
+          "bare_gpu_free_after", "restored",
           "click_to_ready_s", "first_tensor_cell_s", "restore_s", "bare_criu_dump_s", "bare_fsync_s",
           "bare_criu_restore_s", "bare_driver_restore_s"]  # fmt: skip
 
@@ -842,10 +1011,12 @@ def verdicts(rows: list[dict]) -> list[str]:
     return lines
 
 
-def show_logs(hub, ckpt: Path) -> None:
-    """Print the ends of the Hub's and alice's server's logs (the machine may not outlive the run)."""
-    server_log = ckpt / USER / "_default" / "server.log"
-    for title, path in (("Hub log", hub.log_file), (f"{USER}'s server log", server_log)):
+def show_logs(hub, ckpt: Path, user: str) -> None:
+    """Print the ends of the Hub's and the user's server's logs (the machine may not outlive the run)."""
+    from jupyterhub_gpusnap.checkpoint.local import encode_name
+
+    server_log = ckpt / encode_name(user) / encode_name("") / "server.log"
+    for title, path in (("Hub log", hub.log_file), (f"server log of {user}", server_log)):
         try:
             lines = path.read_text(errors="replace").splitlines()[-40:]
         except OSError:
@@ -855,10 +1026,34 @@ def show_logs(hub, ckpt: Path) -> None:
 
 
 async def main(
-    sizes: list[float], root: Path, repeat: int, name: str, torch_version: str,
+    sizes: list[float],
+    root: Path,
+    repeat: int,
+    name: str,
+    torch_version: str,
     settings: dict | None = None,
+    user: str = BENCH_USER,
 ) -> int:
     criu = check_machine(root, sizes)
+    try:
+        pw = ensure_user(user)
+    except BenchError as e:
+        sys.exit(str(e))
+    say(f"servers run as {pw.pw_name} (uid {pw.pw_uid}, gid {pw.pw_gid}, home {pw.pw_dir})")
+    with traversable(reach_targets(root)):
+        return await measure(criu, pw, sizes, root, repeat, name, torch_version, settings)
+
+
+async def measure(
+    criu: str,
+    pw: pwd.struct_passwd,
+    sizes: list[float],
+    root: Path,
+    repeat: int,
+    name: str,
+    torch_version: str,
+    settings: dict | None,
+) -> int:
     from realhub import RealHub
 
     from jupyterhub_gpusnap.checkpoint.criu import criu_version
@@ -871,7 +1066,7 @@ async def main(
     settings = settings or {}
     backend = LocalBackend(checkpoint_dir=str(ckpt), min_free_bytes=0, **settings)
     await backend.setup()
-    for old in await backend.list(USER):  # a run cut short before leaves its image here
+    for old in await backend.list(pw.pw_name):  # a run cut short before leaves its image here
         say(f"removing checkpoint {old.id} left by an earlier run")
         await backend.delete(old.id)
     for old in root.glob("bare-*"):
@@ -888,7 +1083,7 @@ async def main(
     extra = {
         "sizes": sizes, "repeat": repeat, "backend_settings": settings, "dir": str(root), "dir_fs": filesystem_of(root),
         "criu": await criu_version(criu), "torch": torch_version, "targets": TARGETS,
-        "hub_log": str(hub.log_file),
+        "hub_log": str(hub.log_file), "server_user": pw.pw_name, "server_uid": pw.pw_uid,
     }  # fmt: skip
     error = None
     try:
@@ -907,9 +1102,11 @@ async def main(
                 runs.append(run)  # partial_runs in the JSON if the run fails half-way
                 for which in ("bare", "gpusnap") if bare_first else ("gpusnap", "bare"):
                     if which == "gpusnap":
-                        run.update(await gpusnap_run(hub, backend, gpu, gib, nbytes, seed))
+                        run.update(await gpusnap_run(hub, backend, gpu, pw, gib, nbytes, seed))
                     else:
-                        run.update(await bare_run(root, criu, cuda, gpu, gib, nbytes, seed, live))
+                        run.update(
+                            await bare_run(root, criu, cuda, gpu, pw, gib, nbytes, seed, live)
+                        )
                 add_ratios(run)
             rows.append(summarise(gib, runs, repeat))
             runs = []
@@ -922,7 +1119,7 @@ async def main(
             error = f"{type(e).__name__}: {e}"
         say(f"FAILED: {error}")
         write_json(name, rows, **extra, complete=False, error=error, partial_runs=runs)
-        show_logs(hub, ckpt)
+        show_logs(hub, ckpt, pw.pw_name)
     finally:
         for server in list(live):
             server.kill()
@@ -978,6 +1175,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a LocalBackend setting for the gpusnap path (repeatable), e.g. writeback_during_dump=False",
     )
     p.add_argument(
+        "--user",
+        default=BENCH_USER,
+        help="the Unix user the servers run as (created with useradd --create-home if missing; "
+        "never root; kept after the run)",
+    )
+    p.add_argument(
         "--out",
         default="",
         help="results file name (default gpu_notebook, or gpu_notebook_<sizes>)",
@@ -1011,7 +1214,7 @@ def run(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, task.cancel)  # a killed run still cleans up
         settings = {k: ast.literal_eval(v) for k, _, v in (o.partition("=") for o in a.backend)}
-        return await main(a.sizes, Path(a.dir), a.repeat, a.out, torch_version, settings)
+        return await main(a.sizes, Path(a.dir), a.repeat, a.out, torch_version, settings, a.user)
 
     return asyncio.run(guarded())
 
