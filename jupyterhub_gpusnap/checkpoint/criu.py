@@ -411,3 +411,67 @@ def limits_unreadable(pids: list[int], criu: str = "") -> str:
                 "CapabilityBoundingSet), or run servers as root"
             )
     return ""
+
+
+async def start_lazy_pages(
+    directory: Path | str,
+    ps_socket: int,
+    *,
+    criu: str = "",
+    log_name: str = "lazy-pages.log",
+    timeout: float = 60,
+) -> subprocess.Popen:
+    """Start ``criu lazy-pages`` for the image in ``directory``; return once it listens.
+
+    The daemon fetches pages from a page server over ``ps_socket``, a connected stream
+    socket inherited as is (``--page-server --ps-socket FD``: no TCP port another user
+    could reach); ``--status-fd`` tells when its socket for ``criu restore --lazy-pages``
+    (``lazy-pages.socket`` in ``directory``) is ready. It runs in its own session, is not
+    detached (the caller reaps it: its exit status says whether every page arrived) and
+    logs to ``<directory>/<log_name>``. Raises :class:`CheckpointError` with the log tail
+    if it does not get ready.
+    """
+    binary = find_criu(criu)
+    if not binary:
+        raise CheckpointRefused(f"CRIU not found: {INSTALL_HINT.format(min='4.2')}")
+    directory = Path(directory)
+    ready_r, ready_w = os.pipe()
+    args = [
+        binary, "lazy-pages", "-D", str(directory), "-o", log_name, "-v4",
+        "--page-server", "--ps-socket", str(ps_socket), "--status-fd", str(ready_w),
+    ]  # fmt: skip
+    try:
+        proc = subprocess.Popen(
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            pass_fds=(ps_socket, ready_w),
+        )
+    finally:
+        os.close(ready_w)
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future = loop.create_future()
+
+    def on_ready() -> None:  # a \0, or EOF when the daemon exits first
+        if not ready.done():
+            ready.set_result(os.read(ready_r, 1))
+
+    loop.add_reader(ready_r, on_ready)
+    try:
+        got = await asyncio.wait_for(ready, timeout)
+    except asyncio.TimeoutError:
+        got = None
+    finally:
+        loop.remove_reader(ready_r)
+        os.close(ready_r)
+    if got != b"\0":
+        if proc.poll() is None:
+            proc.kill()
+        status = await asyncio.to_thread(proc.wait)
+        log = directory / log_name
+        raise CheckpointError(
+            f"criu lazy-pages for {directory} did not start (exit {status}); log {log}:\n{log_tail(log)}"
+        )
+    return proc

@@ -1,0 +1,405 @@
+"""Lazy restore: the process tree first, its memory on demand, every page checked.
+
+``criu restore --lazy-pages`` rebuilds the tree without the memory a lazy restore may
+leave out (private anonymous memory: the heap, Python objects, tensors in host memory)
+and hands each process's userfaultfd to ``criu lazy-pages``. The tree runs at once; a
+page it touches is fetched when it is first touched, and the daemon copies the rest in
+the background, in address order, until every page is in. The daemon gets its pages from
+our :class:`~.page_server.PageServer`, which checks each one before it is sent: against
+the chunk ids when the image is in the chunk store (read, opened and checked straight
+from the store: no unpacked copy), against the page sums (:mod:`.page_sums`) when it is
+kept as files.
+
+What CRIU reads itself comes from a *staging* folder, all of it checked first: the small
+image files (copied and checked against the manifest, or unpacked from their chunks) and
+each pages file as a sparse file holding only the pages CRIU restores eagerly (stacks,
+private file mappings, shared memory: a few MiB), read through the same checked sources.
+
+Failure: a page that fails its check is never answered; the faulting thread waits in
+the kernel while the whole tree is killed. The daemon dying would close the
+userfaultfds, and the kernel would then give the waiting threads zero-filled pages
+instead of theirs — so this process holds its own duplicates of the daemon's
+userfaultfds (``pidfd_getfd``) until every page is in: a dead daemon leaves the tree
+blocked, not wrong, and it is killed. Either way :attr:`LazyRestore.done` raises
+:class:`~.base.CheckpointError` naming the page, chunk or daemon log, with the tree gone.
+A failure before the tree runs raises from :func:`restore` itself, as an eager restore
+does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+from . import criu
+from .base import CheckpointError
+from .chunks import ChunkStore
+from .manifest import is_pages_file, verify_image
+from .page_server import PageServer
+from .page_source import ChunkPages, PageDamaged, RawPages
+from .page_sums import SumsError, load_sums
+from .pagemap import PagemapError, eager_ranges, lazy_bytes, read_pagemaps
+
+LAZY_LOG = "lazy-pages.log"
+_SYS_PIDFD_GETFD = 438  # the same number on every architecture (asm-generic)
+_UFFD = "anon_inode:[userfaultfd]"
+
+
+# ---------------------------------------------------------------------- image sources
+@dataclass
+class FilesImage:
+    """An image kept as files in ``folder`` (``files``/``sizes``/``chunk_bytes``: the
+    manifest's). Needs the page sums :func:`.page_sums.write_sums` wrote."""
+
+    folder: Path
+    files: dict[str, str]
+    sizes: dict[str, int]
+    chunk_bytes: int = 0
+
+    def names(self) -> list[str]:
+        return sorted(self.files)
+
+    def stage_small(self, dest: Path, pool: Executor) -> list[str]:
+        small = [n for n in self.names() if not is_pages_file(n)]
+        for name in small:
+            shutil.copyfile(self.folder / name, dest / name)
+            os.chmod(dest / name, 0o600)
+        for name in self.names():  # present, with its size, for verify_image's inventory
+            if is_pages_file(name):
+                _sparse(dest / name, self.sizes.get(name, 0))
+        return verify_image(dest, self.files, chunk_bytes=self.chunk_bytes, sizes=self.sizes,
+                            names=small, pool=pool)  # fmt: skip
+
+    def source(self, name: str, pool: Executor) -> RawPages:
+        sums = load_sums(self.folder, name, self.sizes.get(name, -1))
+        return RawPages(self.folder / name, sums, pool)
+
+
+@dataclass
+class ChunksImage:
+    """An image kept in the chunk store (``space``, ``chunks``, ``sizes``: the manifest's)."""
+
+    store: ChunkStore
+    space: str
+    chunks: dict[str, list]
+    sizes: dict[str, int]
+
+    def names(self) -> list[str]:
+        return sorted(self.chunks)
+
+    def stage_small(self, dest: Path, pool: Executor) -> list[str]:
+        small = {n: refs for n, refs in self.chunks.items() if not is_pages_file(n)}
+        return self.store.unpack(self.space, small, self.sizes, dest)
+
+    def source(self, name: str, pool: Executor) -> ChunkPages:
+        return ChunkPages(self.store, self.space, name, self.chunks[name], pool)
+
+
+def _sparse(path: Path, size: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def stage(image: FilesImage | ChunksImage, dest: Path, pool: Executor):
+    """Write what ``criu restore --lazy-pages`` reads itself into ``dest``, all of it
+    checked; return (pagemaps, {pages file: source}). Raises CheckpointError naming what
+    is damaged or missing. Blocking."""
+    problems = image.stage_small(dest, pool)
+    if problems:
+        raise CheckpointError("image is damaged: " + "; ".join(problems[:5]))
+    try:
+        pagemaps = read_pagemaps(dest)
+    except PagemapError as e:
+        raise CheckpointError(f"image is damaged: {e}") from e
+    sources = {}
+    try:
+        for name in image.names():
+            if is_pages_file(name):
+                sources[name] = image.source(name, pool)
+        for name, ranges in eager_ranges(pagemaps).items():
+            if name not in sources:
+                raise CheckpointError(
+                    f"image is damaged: {name}, which a pagemap names, is missing"
+                )
+            fd = os.open(dest / name, os.O_WRONLY)
+            try:
+                for off, n in ranges:
+                    data = sources[name].read(off, n)
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.pwrite(fd, view, off + len(data) - len(view)) :]
+            finally:
+                os.close(fd)
+    except (SumsError, PageDamaged) as e:
+        for s in sources.values():
+            s.close()
+        raise CheckpointError(f"image cannot be restored lazily: {e}") from e
+    except BaseException:
+        for s in sources.values():
+            s.close()
+        raise
+    return pagemaps, sources
+
+
+# ---------------------------------------------------------------------- userfaultfd guard
+def _pidfd_getfd(pidfd: int, fd: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    got = libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
+    if got < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+    return got
+
+
+class UffdHold:
+    """Duplicates of a process's userfaultfds, so that they outlive it (see the module
+    docstring). :meth:`grab` takes those it has not taken yet; :meth:`release` closes all."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.fds: dict[tuple[int, str], int] = {}
+        try:
+            self.pidfd = os.pidfd_open(pid)
+        except OSError:
+            self.pidfd = None
+
+    def grab(self) -> int:
+        """Take new userfaultfds of the process; how many are held."""
+        if self.pidfd is None:
+            return len(self.fds)
+        try:
+            entries = os.listdir(f"/proc/{self.pid}/fd")
+        except OSError:
+            return len(self.fds)
+        for entry in entries:
+            try:
+                if os.readlink(f"/proc/{self.pid}/fd/{entry}") != _UFFD:
+                    continue
+                with open(f"/proc/{self.pid}/fdinfo/{entry}") as f:
+                    ino = next((line.split()[1] for line in f if line.startswith("ino:")), "")
+            except (OSError, StopIteration, IndexError):
+                continue
+            key = (int(entry), ino)
+            if key not in self.fds:
+                try:
+                    self.fds[key] = _pidfd_getfd(self.pidfd, int(entry))
+                except OSError:
+                    continue
+        return len(self.fds)
+
+    def release(self) -> None:
+        for fd in self.fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
+
+
+# ---------------------------------------------------------------------- the restore
+def _descendants(pid: int) -> list[int]:
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def kill_restored(criu_pid: int) -> None:
+    """SIGKILL every process under ``criu restore`` (the restored tree), until none is left."""
+    for _ in range(50):
+        pids = _descendants(criu_pid)
+        if not pids:
+            return
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
+
+
+@dataclass
+class LazyRestore:
+    """A tree restored lazily: runs now, its memory arriving (see :attr:`done`)."""
+
+    restored: criu.Restored
+    daemon: subprocess.Popen
+    server: PageServer
+    staging: Path
+    lazy_bytes: int
+    started: float
+    #: resolves to the transfer's figures once every page is in; raises CheckpointError
+    #: (the tree killed) if that cannot happen
+    done: asyncio.Future | None = None
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.restored.pid
+
+    async def abort(self) -> None:
+        """Kill the tree and the daemon now (the server is not handed out after all)."""
+        if self.done is not None and not self.done.done():
+            self.server._fail(CheckpointError("lazy restore called off"))
+            with contextlib.suppress(CheckpointError):
+                await self.done
+
+
+async def restore(
+    image: FilesImage | ChunksImage,
+    staging: Path | str,
+    pidfile: Path | str,
+    *,
+    pool: Executor,
+    criu_path: str = "",
+    tcp: str = "close",
+    shell_job: bool = False,
+    extra: list[str] | tuple[str, ...] = (),
+    timeout: float = 600,
+    poll: float = 0.05,
+) -> LazyRestore:
+    """Restore ``image`` lazily, CRIU working in ``staging`` (a new, empty, root-only
+    folder the caller removes afterwards; its logs are CRIU's). Returns once the tree
+    runs, with :attr:`LazyRestore.done` to await for the rest. ``pidfile``, ``tcp``,
+    ``shell_job``, ``extra``, ``timeout``: as :func:`.criu.restore` takes them.
+
+    Raises :class:`CheckpointError` (nothing left running) when the image is damaged, has
+    no page sums (files: restore eagerly then), or CRIU fails.
+    """
+    staging = Path(staging)
+    t0 = time.monotonic()
+    pagemaps, sources = await asyncio.to_thread(stage, image, staging, pool)
+    staged_s = time.monotonic() - t0
+    failed = asyncio.Event()
+    server = PageServer(pagemaps, sources, pool, on_failure=lambda e: failed.set())
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    serving = asyncio.ensure_future(server.serve(ours))
+    daemon = None
+    hold = None
+    restore_task = None
+
+    def close_sources() -> None:
+        for s in sources.values():
+            s.close()
+
+    async def stop_all() -> None:
+        if hold is not None:
+            hold.release()
+        if daemon is not None and daemon.poll() is None:
+            daemon.kill()
+        if daemon is not None:
+            await asyncio.to_thread(daemon.wait)
+        server.close()
+        await asyncio.gather(serving, return_exceptions=True)
+        close_sources()
+
+    try:
+        try:
+            daemon = await criu.start_lazy_pages(
+                staging, theirs.fileno(), criu=criu_path, log_name=LAZY_LOG
+            )
+        finally:
+            theirs.close()
+        hold = UffdHold(daemon.pid)
+        restore_task = asyncio.ensure_future(
+            criu.restore(
+                staging, pidfile, criu=criu_path, tcp=tcp, shell_job=shell_job,
+                extra=[*extra, "--lazy-pages"], timeout=timeout,
+            )
+        )  # fmt: skip
+        # A page failing its check while CRIU still restores: end that restore (and what
+        # it made so far) before the daemon goes.
+        while not restore_task.done():
+            hold.grab()
+            waiter = asyncio.ensure_future(failed.wait())
+            await asyncio.wait(
+                [restore_task, waiter], timeout=poll, return_when=asyncio.FIRST_COMPLETED
+            )
+            waiter.cancel()
+            if failed.is_set() and not restore_task.done():
+                for proc in _criu_restores(staging):
+                    await asyncio.to_thread(kill_restored, proc)
+                    with contextlib.suppress(OSError):
+                        os.kill(proc, signal.SIGKILL)
+        try:
+            restored = restore_task.result()
+        except CheckpointError as e:
+            if server.failure is not None:
+                raise CheckpointError(f"lazy restore failed: {server.failure}") from e
+            raise CheckpointError(f"{e}\nlazy-pages log {staging / LAZY_LOG}:\n"
+                                  f"{criu.log_tail(staging / LAZY_LOG)}") from e  # fmt: skip
+    except BaseException:
+        if restore_task is not None and not restore_task.done():
+            restore_task.cancel()
+        await stop_all()
+        raise
+    hold.grab()
+    lazy = LazyRestore(
+        restored=restored, daemon=daemon, server=server, staging=staging,
+        lazy_bytes=lazy_bytes(pagemaps), started=t0,
+    )  # fmt: skip
+    lazy.stats = {"staged_s": round(staged_s, 3), "running_s": round(time.monotonic() - t0, 3),
+                  "lazy_bytes": lazy.lazy_bytes}  # fmt: skip
+    lazy.done = asyncio.ensure_future(_watch(lazy, hold, failed, stop_all, poll))
+    return lazy
+
+
+def _criu_restores(staging: Path) -> list[int]:
+    """``criu restore`` processes (children of this one) working on ``staging``."""
+    out = []
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            cmd = child.cmdline()
+            if "restore" in cmd and str(staging) in cmd:
+                out.append(child.pid)
+    return out
+
+
+async def _watch(
+    lazy: LazyRestore, hold: UffdHold, failed: asyncio.Event, stop_all, poll: float
+) -> dict:
+    """Until every page is in: keep hold of new userfaultfds; on a failed page or a dead
+    daemon, kill the tree first, then let go."""
+    daemon, server = lazy.daemon, lazy.server
+    try:
+        while daemon.poll() is None and not failed.is_set():
+            hold.grab()
+            waiter = asyncio.ensure_future(failed.wait())
+            await asyncio.wait([waiter], timeout=poll)
+            waiter.cancel()
+        status = daemon.poll()
+        if failed.is_set() or status != 0:
+            await asyncio.to_thread(kill_restored, lazy.restored.criu.pid)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(lazy.restored.criu.wait, 30)
+            if server.failure is not None:
+                why = str(server.failure)
+            else:
+                why = (f"criu lazy-pages exited with {status} before every page was in; log "
+                       f"{lazy.staging / LAZY_LOG}:\n{criu.log_tail(lazy.staging / LAZY_LOG)}")  # fmt: skip
+            raise CheckpointError(f"lazy restore failed, the restored tree was killed: {why}")
+        lazy.stats.update(
+            all_in_s=round(time.monotonic() - lazy.started, 3),
+            served_bytes=server.bytes,
+            requests=server.requests,
+            fault_requests=server.faults,
+            read_s=round(server.read_s, 3),
+        )
+        return lazy.stats
+    finally:
+        hold.release()
+        await stop_all()

@@ -1,0 +1,169 @@
+"""A page server for ``criu lazy-pages``: memory pages, checked, on demand.
+
+A lazy restore (:mod:`.lazy`) restores a process tree without its memory; CRIU's
+lazy-pages daemon catches each page fault (userfaultfd) and asks a *page server* for
+the pages, then copies the rest in the background. CRIU's own page server reads the
+image as it is; this one answers from a :mod:`.page_source` that checks every byte
+first (a raw pages file against its page sums, or the chunk store against chunk ids),
+so a page that fails its check never reaches the process.
+
+The protocol (CRIU 4.x, ``criu/page-xfer.c``, ``criu/uffd.c``), on the socket the
+daemon is given with ``--page-server --ps-socket FD``: each request is a ``struct
+page_server_iov {u32 cmd; u64 nr_pages; u64 vaddr; u64 dst_id}`` (32 bytes, native
+alignment, little-endian here). ``PS_IOV_GET`` asks for ``nr_pages`` pages from
+``vaddr`` of process ``dst_id`` (its pid as the image names it); the answer is the same
+struct with ``cmd = PS_IOV_ADD_F | PE_PRESENT << 16`` (``nr_pages`` may be fewer than
+asked), then the pages. The daemon matches answers to requests in order (it keeps a
+FIFO), so answers go out in request order. A page fault asks for one page; the
+background transfer asks, one request per process at a time, for the next pages in
+address order, from 64 KiB up to 4 MiB per request. When done, the daemon sends
+``PS_IOV_FORCE_CLOSE`` (``PS_IOV_CLOSE`` on its own TCP connection) and waits for an
+``int32`` status (0).
+
+On a failed check the server answers nothing more: the faulting thread stays blocked in
+the kernel, never running on with memory that is not its own, until :mod:`.lazy` has
+killed the tree (:attr:`PageServer.failure` says what failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+from .page_source import PageDamaged
+from .pagemap import PAGE, Pagemap, PagemapError
+
+IOV = struct.Struct("<I4xQQQ")
+PS_IOV_ADD_F = 6
+PS_IOV_GET = 7
+PS_IOV_CLOSE = 0x1023
+PS_IOV_FORCE_CLOSE = 0x1024
+PS_CMD_BITS = 16
+PE_PRESENT = 1 << 2
+AHEAD = 16 << 20  # bytes checked ahead of a background transfer
+
+
+class PageServer:
+    """Serves the pages of ``pagemaps`` from ``sources`` ({pages file name: source}).
+
+    ``pool`` runs the blocking reads and checks. ``on_failure(error)`` is called once, in
+    the event loop, when a request cannot be answered with checked pages.
+    """
+
+    def __init__(
+        self,
+        pagemaps: list[Pagemap],
+        sources: dict,
+        pool: Executor,
+        *,
+        on_failure: Callable[[Exception], None] | None = None,
+        ahead: int = AHEAD,
+    ):
+        self.maps = {pm.pid: pm for pm in pagemaps if pm.pid is not None}
+        self.sources = sources
+        self.pool = pool
+        self.on_failure = on_failure
+        self.ahead = ahead
+        self.failure: Exception | None = None
+        self.closed = asyncio.Event()  # the daemon said it is done
+        self.requests = 0
+        self.faults = 0  # one-page requests: the process waited on them
+        self.bytes = 0
+        self.read_s = 0.0  # thread time spent reading and checking
+        self.first_at: float | None = None
+        self.last_at: float | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    # ------------------------------------------------------------ serving
+    async def serve(self, sock) -> None:
+        """Answer the daemon on ``sock`` (a connected stream socket) until it hangs up."""
+        reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 16)
+        self._writer = writer
+        queue: asyncio.Queue = asyncio.Queue()
+        sender = asyncio.ensure_future(self._send(queue, writer))
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                try:
+                    head = await reader.readexactly(IOV.size)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    break
+                cmd, nr, vaddr, dst = IOV.unpack(head)
+                cmd &= (1 << PS_CMD_BITS) - 1
+                if self.failure is not None:
+                    continue  # answer nothing more
+                if cmd == PS_IOV_GET:
+                    self.requests += 1
+                    if nr == 1:
+                        self.faults += 1
+                    if self.first_at is None:
+                        self.first_at = time.monotonic()
+                    fut = loop.run_in_executor(self.pool, self._read, dst, vaddr, nr)
+                    queue.put_nowait((nr, vaddr, dst, fut))
+                elif cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
+                    queue.put_nowait(None)
+                else:
+                    self._fail(
+                        ValueError(f"unexpected page server command {cmd:#x} from lazy-pages")
+                    )
+        finally:
+            queue.put_nowait(StopAsyncIteration)
+            await sender
+
+    def _read(self, dst: int, vaddr: int, nr: int) -> bytes:
+        t = time.perf_counter()
+        pm = self.maps.get(dst)
+        if pm is None:
+            raise PageDamaged(f"lazy-pages asked for process {dst}, which is not in the image")
+        try:
+            ranges = pm.locate(vaddr, nr)
+        except PagemapError as e:
+            raise PageDamaged(f"lazy-pages asked for {nr} pages at {vaddr:#x}: {e}") from e
+        source = self.sources[pm.pages_file]
+        parts = [source.read(off, n) for off, n in ranges]
+        if nr > 1 and self.ahead:  # a background transfer: the next pages follow
+            end = ranges[-1][0] + ranges[-1][1]
+            source.ahead(end, self.ahead)
+        self.read_s += time.perf_counter() - t
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    async def _send(self, queue: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
+        while True:
+            item = await queue.get()
+            if item is StopAsyncIteration:
+                return
+            if self.failure is not None:
+                continue
+            if item is None:  # the daemon is done: its status
+                writer.write(struct.pack("<i", 0))
+                await writer.drain()
+                self.closed.set()
+                continue
+            nr, vaddr, dst, fut = item
+            try:
+                data = await fut
+            except Exception as e:
+                self._fail(e)
+                continue
+            writer.write(IOV.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, nr, vaddr, dst))
+            writer.write(data)
+            try:
+                await writer.drain()
+            except ConnectionError:
+                return
+            self.bytes += nr * PAGE
+            self.last_at = time.monotonic()
+
+    def _fail(self, error: Exception) -> None:
+        if self.failure is None:
+            self.failure = error
+            if self.on_failure is not None:
+                self.on_failure(error)
+
+    def close(self) -> None:
+        """Drop the connection (only once the tree it served is gone)."""
+        if self._writer is not None:
+            self._writer.close()

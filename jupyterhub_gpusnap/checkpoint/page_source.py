@@ -1,0 +1,203 @@
+"""Checked reads of a pages file, by offset: what the page server hands out.
+
+Two sources, one interface (:meth:`read` blocks, for a thread pool; :meth:`ahead`
+starts checking what comes next in the pool):
+
+:class:`RawPages`
+    A ``pages-*.img`` kept as a file, checked against its :mod:`.page_sums` list in
+    segments of 1 MiB (16 blocks of 64 KiB): a fault costs one segment's read and hash.
+:class:`ChunkPages`
+    A pages file kept in the chunk store: each chunk is read, opened, decompressed and
+    checked against its id (:meth:`.ChunkStore.get`, which also repairs it from a
+    replica) straight from the store, no unpacked copy.
+
+Checked segments (or chunks) stay in memory, the last ``keep`` of them: a fault and the
+background transfer that follows often land in the same one, and :meth:`ahead` fills the
+cache before the lazy-pages daemon asks (it fetches in address order, which is file
+order). Either raises :class:`PageDamaged`, naming the file, the offset and the block or
+chunk, when bytes do not match: they are never returned.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+from collections import OrderedDict
+from concurrent.futures import Executor
+from pathlib import Path
+
+from .chunks import ChunkStore
+from .page_sums import PageSums
+
+SEGMENT = 1 << 20
+
+
+class PageDamaged(ValueError):
+    """Bytes of a pages file that fail their check (or cannot be read)."""
+
+
+class _Segmented:
+    """A file in checked segments: ``starts`` (offsets), ``size``, ``_load(i)``."""
+
+    name: str
+    size: int
+    starts: list[int]
+
+    def __init__(self, pool: Executor, keep: int):
+        self.pool = pool
+        self.keep = keep
+        self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self._loading: dict[int, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def _load(self, i: int) -> bytes:
+        raise NotImplementedError
+
+    def _hint(self, i: int) -> None:
+        """Start the disk read of segment ``i`` (it will be loaded soon)."""
+
+    def _segment(self, i: int) -> bytes:
+        """Segment ``i``'s checked bytes (checked once, kept among the last ``keep``)."""
+        while True:
+            with self._lock:
+                data = self._cache.get(i)
+                if data is not None:
+                    self._cache.move_to_end(i)
+                    return data
+                busy = self._loading.get(i)
+                if busy is None:
+                    self._loading[i] = threading.Event()
+                    break
+            busy.wait()
+        try:
+            data = self._load(i)
+        finally:
+            with self._lock:
+                self._loading.pop(i).set()
+        with self._lock:
+            self._cache[i] = data
+            while len(self._cache) > self.keep:
+                self._cache.popitem(last=False)
+        return data
+
+    def read(self, offset: int, length: int) -> bytes:
+        """``length`` checked bytes from ``offset`` (PageDamaged if any fail their check)."""
+        if offset < 0 or offset + length > self.size:
+            raise PageDamaged(
+                f"{self.name}: bytes {offset}-{offset + length} beyond its {self.size}"
+            )
+        out = []
+        i = bisect.bisect_right(self.starts, offset) - 1
+        pos, end = offset, offset + length
+        while pos < end:
+            data = self._segment(i)
+            s = pos - self.starts[i]
+            piece = data[s : s + (end - pos)]
+            out.append(piece)
+            pos += len(piece)
+            i += 1
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def ahead(self, offset: int, length: int) -> None:
+        """Check the segments covering ``[offset, offset + length)`` in the pool, now."""
+        if offset >= self.size:
+            return
+        i = bisect.bisect_right(self.starts, offset) - 1
+        j = bisect.bisect_left(self.starts, min(self.size, offset + length))
+        for k in range(max(i, 0), min(max(j, i + 1), len(self.starts))):
+            with self._lock:
+                known = k in self._cache or k in self._loading
+            if not known:
+                self._hint(k)
+                self.pool.submit(self._quietly, k)
+
+    def _quietly(self, i: int) -> None:
+        try:
+            self._segment(i)
+        except PageDamaged:
+            pass  # reported by the read that needs it
+
+    def close(self) -> None:
+        with self._lock:
+            self._cache.clear()
+
+
+class RawPages(_Segmented):
+    """Pages file ``path`` checked against ``sums``."""
+
+    def __init__(self, path: Path | str, sums: PageSums, pool: Executor, keep: int = 64):
+        super().__init__(pool, keep)
+        self.path = Path(path)
+        self.name = self.path.name
+        self.sums = sums
+        self.segment = max(SEGMENT // sums.block, 1) * sums.block
+        self.fd = os.open(self.path, os.O_RDONLY)
+        size = os.fstat(self.fd).st_size
+        if size != sums.size:
+            os.close(self.fd)
+            raise PageDamaged(f"{self.name}: {size} bytes, its page checksums describe {sums.size}")
+        self.size = size
+        self.starts = list(range(0, size, self.segment)) or [0]
+
+    def _load(self, i: int) -> bytes:
+        start = self.starts[i]
+        n = min(self.segment, self.size - start)
+        try:
+            data = os.pread(self.fd, n, start)
+        except OSError as e:
+            raise PageDamaged(f"{self.name}: cannot read bytes {start}-{start + n}: {e}") from e
+        if len(data) != n:
+            raise PageDamaged(f"{self.name}: short read at {start} ({len(data)} of {n} bytes)")
+        bad = self.sums.check(start, data)
+        if bad is not None:
+            block = self.sums.block
+            raise PageDamaged(
+                f"{self.name}: the {block >> 10} KiB block at offset {bad} (pages "
+                f"{bad // 4096}-{(bad + block) // 4096 - 1} of the file) does not match its "
+                "checksum (damaged)"
+            )
+        return data
+
+    def _hint(self, i: int) -> None:
+        try:
+            os.posix_fadvise(self.fd, self.starts[i], self.segment, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        super().close()
+        os.close(self.fd)
+
+
+class ChunkPages(_Segmented):
+    """Pages file ``name`` stored as ``refs`` (``[[id, length], …]``) in ``store``'s ``space``."""
+
+    def __init__(self, store: ChunkStore, space: str, name: str, refs: list, pool: Executor,
+                 keep: int = 16):  # fmt: skip
+        super().__init__(pool, keep)
+        self.store = store
+        self.space = space
+        self.name = name
+        self.refs = [(cid, int(n)) for cid, n in refs]
+        self.starts = []
+        pos = 0
+        for _, n in self.refs:
+            self.starts.append(pos)
+            pos += n
+        self.size = pos
+        if not self.starts:
+            self.starts = [0]
+
+    def _load(self, i: int) -> bytes:
+        cid, n = self.refs[i]
+        try:
+            return self.store.get(self.space, cid, n)
+        except (OSError, ValueError) as e:
+            raise PageDamaged(
+                f"{self.name}: chunk {cid[:12]}… (bytes {self.starts[i]}-{self.starts[i] + n} of "
+                f"the file) cannot be used: {e}"
+            ) from e
+
+    def _hint(self, i: int) -> None:
+        self.store.prefetch(self.space, self.refs[i][0])

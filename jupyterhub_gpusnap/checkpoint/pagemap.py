@@ -1,0 +1,188 @@
+"""Where each page of a CRIU image lives: the ``pagemap-*.img`` files, read.
+
+CRIU writes a process's memory as ``pages-<N>.img`` (the pages, back to back) plus a
+``pagemap-<pid>.img`` that says which addresses they belong to (``images/pagemap.proto``):
+a ``pagemap_head {pages_id}`` naming the pages file, then ``pagemap_entry {vaddr,
+nr_pages, flags}`` records in address order. Entries flagged ``PE_PRESENT`` have their
+pages in the pages file, one after the other in entry order; ``PE_LAZY`` marks pages a
+lazy restore (``criu restore --lazy-pages``) leaves out and has the lazy-pages daemon
+fetch on demand. Shared memory has its own ``pagemap-shmem-<id>.img``, always restored
+eagerly.
+
+An image file is CRIU's two magic numbers (8 bytes), then records, each a little-endian
+``u32`` length and a protobuf message. Only what a lazy restore needs is decoded.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PAGE = 4096
+PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
+_LEN = struct.Struct("<I")
+_TASK = re.compile(r"pagemap-(\d+)\.img")
+
+
+class PagemapError(ValueError):
+    """A pagemap image that cannot be read (damaged or not CRIU's)."""
+
+
+def _varint(buf: bytes, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while True:
+        if i >= len(buf):
+            raise PagemapError("truncated varint")
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, i
+        shift += 7
+
+
+def _fields(msg: bytes) -> dict[int, int]:
+    """The varint fields of a protobuf message (the only kind pagemap records hold)."""
+    out: dict[int, int] = {}
+    i = 0
+    while i < len(msg):
+        tag, i = _varint(msg, i)
+        number, wire = tag >> 3, tag & 7
+        if wire == 0:
+            out[number], i = _varint(msg, i)
+        elif wire == 2:
+            n, i = _varint(msg, i)
+            i += n
+        elif wire == 1:
+            i += 8
+        elif wire == 5:
+            i += 4
+        else:
+            raise PagemapError(f"unexpected protobuf wire type {wire}")
+    return out
+
+
+@dataclass
+class Run:
+    """Pages ``[vaddr, vaddr + nr_pages * PAGE)`` stored at ``offset`` in their pages file."""
+
+    vaddr: int
+    nr_pages: int
+    offset: int
+    flags: int
+
+    @property
+    def lazy(self) -> bool:
+        return bool(self.flags & PE_LAZY)
+
+    @property
+    def end(self) -> int:
+        return self.vaddr + self.nr_pages * PAGE
+
+
+@dataclass
+class Pagemap:
+    """One ``pagemap*.img``: its pages file and the runs stored there, in address order."""
+
+    name: str
+    pages_id: int
+    runs: list[Run] = field(default_factory=list)
+    pid: int | None = None  # the process (as the image names it); None for shared memory
+    _starts: list[int] = field(default_factory=list, repr=False)
+
+    @property
+    def pages_file(self) -> str:
+        return f"pages-{self.pages_id}.img"
+
+    def locate(self, vaddr: int, nr_pages: int) -> list[tuple[int, int]]:
+        """``[(offset, length), …]`` in the pages file holding ``nr_pages`` pages from
+        ``vaddr``; PagemapError when any of them is not in the image."""
+        if len(self._starts) != len(self.runs):
+            self._starts = [r.vaddr for r in self.runs]
+        starts = self._starts
+        out: list[tuple[int, int]] = []
+        addr, end = vaddr, vaddr + nr_pages * PAGE
+        while addr < end:
+            i = bisect.bisect_right(starts, addr) - 1
+            if i < 0 or addr >= self.runs[i].end:
+                raise PagemapError(f"address {addr:#x} of process {self.pid} is not in the image")
+            run = self.runs[i]
+            n = min(end, run.end) - addr
+            off = run.offset + (addr - run.vaddr)
+            if out and out[-1][0] + out[-1][1] == off:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((off, n))
+            addr += n
+        return out
+
+
+def read_pagemap(path: Path | str) -> Pagemap:
+    """Parse one ``pagemap*.img``."""
+    path = Path(path)
+    data = path.read_bytes()
+    if len(data) < 8:
+        raise PagemapError(f"{path.name}: too short for a CRIU image")
+    i = 8
+    records = []
+    while i < len(data):
+        if i + 4 > len(data):
+            raise PagemapError(f"{path.name}: truncated record at byte {i}")
+        (n,) = _LEN.unpack_from(data, i)
+        i += 4
+        if i + n > len(data):
+            raise PagemapError(f"{path.name}: truncated record at byte {i}")
+        records.append(_fields(data[i : i + n]))
+        i += n
+    if not records or 1 not in records[0]:
+        raise PagemapError(f"{path.name}: no pagemap head")
+    m = _TASK.fullmatch(path.name)
+    pm = Pagemap(path.name, records[0][1], pid=int(m[1]) if m else None)
+    offset = 0
+    for rec in records[1:]:
+        vaddr = rec.get(1, 0)
+        nr = rec.get(5, rec.get(2, 0))
+        flags = rec.get(4, PE_PRESENT if not rec.get(3) else PE_PARENT)
+        if flags & PE_PARENT:
+            raise PagemapError(f"{path.name}: pages in a parent image are not supported")
+        if flags & PE_PRESENT:
+            pm.runs.append(Run(vaddr, nr, offset, flags))
+            offset += nr * PAGE
+    return pm
+
+
+def read_pagemaps(folder: Path | str) -> list[Pagemap]:
+    """Every ``pagemap*.img`` of an image folder."""
+    return [read_pagemap(p) for p in sorted(Path(folder).glob("pagemap*.img"))]
+
+
+def eager_ranges(pagemaps: list[Pagemap]) -> dict[str, list[tuple[int, int]]]:
+    """{pages file: [(offset, length), …]}: the bytes ``criu restore --lazy-pages`` reads
+    itself (everything but the lazy runs of processes), merged and sorted."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for pm in pagemaps:
+        ranges = out.setdefault(pm.pages_file, [])
+        for run in pm.runs:
+            if pm.pid is None or not run.lazy:
+                ranges.append((run.offset, run.nr_pages * PAGE))
+    for name, ranges in out.items():
+        ranges.sort()
+        merged: list[tuple[int, int]] = []
+        for off, n in ranges:
+            if merged and merged[-1][0] + merged[-1][1] >= off:
+                last = merged[-1]
+                merged[-1] = (last[0], max(last[1], off + n - last[0]))
+            else:
+                merged.append((off, n))
+        out[name] = merged
+    return out
+
+
+def lazy_bytes(pagemaps: list[Pagemap]) -> int:
+    """Bytes a lazy restore leaves to the page server."""
+    return sum(
+        r.nr_pages * PAGE for pm in pagemaps if pm.pid is not None for r in pm.runs if r.lazy
+    )
