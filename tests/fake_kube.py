@@ -11,11 +11,13 @@ API server: ``GET /api/v1/namespaces/{ns}/pods/{pod}``, ``DELETE`` of the same,
 ``POST /api/v1/nodes/{node}/proxy/checkpoint/...``. Unknown tokens get 401, denied
 resources a 403 ``Status`` (``forbid("nodes/proxy")``).
 
-Kubelet: ``POST /checkpoint/{ns}/{pod}/{container}?timeout=`` dumps the pod's real
-local process with CRIU (``--leave-running``: the container keeps running, as with
-the real kubelet), lays the archive out like the kubelet's (``config.dump spec.dump
-checkpoint/ rootfs-diff.tar dump.log stats-dump``) under a folder standing for
+Kubelet: ``POST /checkpoint/{ns}/{pod}/{container}?timeout=`` has the real container
+runtime checkpoint the pod's real container (a runc container, see oci_runtime.py:
+``runc checkpoint --leave-running`` under CRIU, the container keeps running, and the
+archive CRI-O writes: ``checkpoint/ config.dump spec.dump bind.mounts rootfs-diff.tar
+deleted.files dump.log stats-dump``) into a folder standing for
 ``/var/lib/kubelet/checkpoints`` and answers ``{"items": ["/var/lib/kubelet/checkpoints/…tar"]}``.
+It invents nothing: it is only the kubelet's HTTP front.
 ``kubelet_mode`` switches it to a failure: ``gate-off`` (404, as with the
 ContainerCheckpoint gate off or an unparsable timeout), ``error`` (500 from the
 runtime), ``hang`` (no answer), ``forbidden`` (403 for ``nodes/checkpoint``).
@@ -43,6 +45,7 @@ from pathlib import Path
 import jsonschema
 import kubernetes_validate
 import referencing
+from oci_runtime import RUNC_ROOT
 from ports import free_port
 from tornado import web
 from tornado.httpserver import HTTPServer
@@ -134,7 +137,7 @@ def match_fields(obj: dict, selector: str) -> bool:
     return True
 
 
-# -- local stand-ins for containers -----------------------------------------------------
+# -- the containers of pods --------------------------------------------------------------
 
 WORKLOAD = r"""
 import os, sys, time
@@ -149,58 +152,70 @@ while True:
 """
 
 
-#: A container's own namespaces, as ``unshare`` makes them: the process runs in fresh
-#: net, IPC and UTS namespaces (``setsid``: the dumped root is its session leader).
-CONTAINER_NAMESPACES = ["unshare", "--net", "--ipc", "--uts", "--fork", "setsid"]
-
-
-def _child_of(parent: int, timeout: float = 10.0) -> int:
-    """The PID of ``parent``'s only child once it has exec'd (unshare --fork's payload)."""
-    import psutil
-
-    deadline = time.monotonic() + timeout
-    me = psutil.Process(parent)
-    while time.monotonic() < deadline:
-        for child in me.children():
-            try:
-                if child.name() not in ("unshare", "setsid"):
-                    return child.pid
-            except psutil.Error:
-                pass
-        time.sleep(0.01)
-    raise AssertionError(f"unshare (pid {parent}) started no payload")
-
-
 class Workload:
-    """A real local process standing for a container: it keeps a random secret in memory
-    and appends ``<secret> <counter>`` to a log every 50 ms, so a restored copy is
-    recognisable (same secret, counter going on) and a fresh one is not.
+    """A real runc container (:class:`oci_runtime.Container`, in a pod sandbox of its own)
+    standing for a notebook container: its process keeps a random secret in memory and
+    appends ``<secret> <counter>`` every 50 ms to a log on its volume (``volume``, mounted
+    at /home/jovyan), so a restored copy is recognisable (same secret, counter going on)
+    and a fresh one is not. A pod added with it (``add_pod(workload=…)``) runs that
+    container, and the fake kubelet checkpoints it through the runtime."""
 
-    ``namespaces=True`` runs it in its own net/IPC/UTS namespaces, as a container's."""
+    #: Set by a Cluster whose agent restores into its own namespaces (``restore_into =
+    #: "agent"``: one machine, no pods, no container runtime): workloads made while it runs
+    #: are plain processes, and the kubelet dumps them with plain CRIU.
+    bare_default = False
 
-    def __init__(self, folder: Path, ballast: int = 1 << 20, namespaces: bool = False):
-        self.log = Path(folder) / "workload.log"
+    def __init__(self, folder: Path, ballast: int = 1 << 20, bare: bool | None = None):
+        self.folder = Path(folder)
+        self.volume = self.folder / "workload-volume"
+        self.log = self.volume / "workload.log"
         self.ballast = ballast
-        self.namespaces = namespaces
+        self.bare = Workload.bare_default if bare is None else bare
+        self.container = None
         self.proc: subprocess.Popen | None = None
-        self._pid = 0
 
     def start(self) -> Workload:
-        prefix = CONTAINER_NAMESPACES if self.namespaces else []
-        self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-S", "-c", WORKLOAD, str(self.log), str(self.ballast)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=str(self.log.parent),
-        )
-        self._pid = _child_of(self.proc.pid) if self.namespaces else self.proc.pid
+        import oci_runtime
+
+        if self.bare:
+            self.volume.mkdir(parents=True, exist_ok=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-S", "-c", WORKLOAD, str(self.log), str(self.ballast)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                cwd=str(self.volume),
+            )
+            return self
+
+        why = oci_runtime.missing()
+        assert not why, why
+        self.volume.mkdir(parents=True, exist_ok=True)
+        self.container = oci_runtime.Container(
+            self.folder / "pods",
+            oci_runtime.PodSandbox.new(),
+            ["python3", "-S", "-c", WORKLOAD, "/home/jovyan/workload.log", str(self.ballast)],
+            home=self.volume,
+        ).start()
         return self
 
     @property
     def pid(self) -> int:
-        return self._pid
+        if self.proc is not None:
+            return self.proc.pid
+        return self.container.pid if self.container is not None else 0
+
+    def placeholder(self):
+        """A placeholder container for this workload's pod: same image and volume,
+        ``sleep infinity``, a pod sandbox of its own (stopped with :meth:`stop`)."""
+        import oci_runtime
+
+        box = oci_runtime.Container(
+            self.folder / "pods", oci_runtime.PodSandbox.new(), ["sleep", "infinity"], home=self.volume
+        ).start()
+        self._placeholders = [*getattr(self, "_placeholders", []), box]
+        return box
 
     def lines(self) -> list[tuple[str, int]]:
         if not self.log.exists():
@@ -222,26 +237,32 @@ class Workload:
         raise AssertionError(f"workload log has {len(self.lines())} lines, wanted {count}")
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return False
+        return self.pid > 0 and stat.rpartition(")")[2].split()[0] != "Z"
 
     def stop(self) -> None:
-        """Kill it and wait until its PID is free (a restore needs the same PID)."""
-        if self.namespaces and self.alive():
-            try:
-                os.kill(self._pid, 9)
-            except ProcessLookupError:
-                pass
-            try:  # unshare reaps its child and exits; killing it first would leave a zombie
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        if self.alive():
-            self.proc.kill()
+        """Delete the pod: every process of its container killed, its sandbox gone."""
         if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
             self.proc.wait()
-        deadline = time.monotonic() + 10
-        while self._pid and os.path.exists(f"/proc/{self._pid}") and time.monotonic() < deadline:
-            time.sleep(0.01)
+            deadline = time.monotonic() + 10  # a restore of it needs the same PID
+            while os.path.exists(f"/proc/{self.proc.pid}") and time.monotonic() < deadline:
+                time.sleep(0.01)
+        if self.container is not None:
+            self.container.delete()
+            self.container.sandbox.stop()
+
+    def close(self) -> None:
+        """Delete the pod and the placeholders made for it."""
+        self.stop()
+        for box in getattr(self, "_placeholders", []):
+            box.delete()
+            box.sandbox.stop()
+        self._placeholders = []
 
 
 def cgroup2_mount() -> Path:
@@ -251,71 +272,6 @@ def cgroup2_mount() -> Path:
         if right.split()[0] == "cgroup2":
             return Path(left.split()[4])
     raise AssertionError("no cgroup2 mount on this machine")
-
-
-class SandboxContainer:
-    """A real local stand-in for a running pod container: ``sleep`` in fresh net/IPC/UTS
-    namespaces, placed in a real cgroup v2 folder named as the kubelet (systemd driver)
-    names the pod's container cgroup, from the pod's UID and container ID.
-
-    With ``PodMapper.proc_root=/proc`` and ``cgroup_root`` at the cgroup2 mount, the
-    agent finds it exactly as it finds a container's process on a node."""
-
-    def __init__(self, pod: dict):
-        uid = pod["metadata"]["uid"]
-        cid = container_id(pod["status"]["containerStatuses"][0]["containerID"])
-        self.mount = cgroup2_mount()
-        self.pod_dir = (
-            self.mount
-            / "kubepods.slice"
-            / "kubepods-burstable.slice"
-            / f"kubepods-burstable-pod{uid.replace('-', '_')}.slice"
-        )
-        self.cgroup = self.pod_dir / f"cri-containerd-{cid}.scope"
-        self.proc: subprocess.Popen | None = None
-        self.pid = 0
-
-    @property
-    def cgroup_path(self) -> str:
-        return "/" + str(self.cgroup.relative_to(self.mount))
-
-    def start(self) -> SandboxContainer:
-        self.cgroup.mkdir(parents=True)
-        self.proc = subprocess.Popen(
-            [*CONTAINER_NAMESPACES, "sleep", "infinity"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        self.pid = _child_of(self.proc.pid)
-        (self.cgroup / "cgroup.procs").write_text(str(self.pid))
-        return self
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Kill every process in the container's cgroup, then remove the cgroup folders."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-        deadline = time.monotonic() + timeout
-        while self.cgroup.exists():
-            try:
-                for pid in (self.cgroup / "cgroup.procs").read_text().split():
-                    try:
-                        os.kill(int(pid), 9)
-                    except ProcessLookupError:
-                        pass
-                self.cgroup.rmdir()
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        if self.proc is not None:
-            self.proc.wait()
-        for folder in (self.pod_dir, self.pod_dir.parent, self.pod_dir.parent.parent):
-            try:
-                folder.rmdir()
-            except OSError:
-                break  # another test's pod is still there
 
 
 class NodeTree:
@@ -605,7 +561,7 @@ class FakeKube:
             server.stop()
             await server.close_all_connections()
         for w in self.workloads.values():
-            w.stop()
+            w.close()
 
     # -- objects ---------------------------------------------------------------------------
 
@@ -652,6 +608,8 @@ class FakeKube:
         cid = uuid.uuid4().hex + uuid.uuid4().hex
         uid = str(uuid.uuid4())
         status_id = f"containerd://{cid}"
+        if workload is not None:
+            runtime = workload.container
         if runtime is not None:
             cid, uid, pod_ip = runtime.id, runtime.sandbox.uid, runtime.sandbox.ip
             status_id = runtime.status_id
@@ -864,92 +822,48 @@ class FakeKube:
     # -- the kubelet's checkpoint ---------------------------------------------------------
 
     async def kubelet_checkpoint(self, namespace: str, name: str, container: str) -> str:
-        """Checkpoint the pod's container; return the archive's host path.
-
-        A pod running a real runc container (``add_pod(runtime=…)``) is checkpointed by the
-        runtime: ``runc checkpoint --leave-running`` and the archive CRI-O writes
-        (:meth:`oci_runtime.Container.checkpoint`). Otherwise the pod's local workload is
-        dumped with CRIU into an archive laid out like the kubelet's."""
-        pod = self.pods[(namespace, name)]
-        stamp = rfc3339()
-        base = f"checkpoint-{name}_{namespace}-{container}-{stamp}"
+        """Checkpoint the pod's container through the real runtime; return the archive's host
+        path. ``runc checkpoint --leave-running`` and the archive CRI-O writes
+        (:meth:`oci_runtime.Container.checkpoint`): the kubelet only hands it out."""
         real = self.containers.get((namespace, name))
-        if real is not None:
-            archive = await asyncio.to_thread(real.checkpoint, self.checkpoints, base)
-            self.archives.append(tar_names(archive))
+        base = f"checkpoint-{name}_{namespace}-{container}-{rfc3339()}"
+        bare = self.workloads.get((namespace, name))
+        if real is None and bare is not None and bare.bare:
+            path = await self._plain_dump(bare, base)
             self.checkpointed.append(f"{namespace}/{name}/{container}")
-            return f"{KUBELET_DIR}/{archive.name}"
-        workload = self.workloads[(namespace, name)]
+            return path
+        if real is None:
+            raise RuntimeError(f"pod {namespace}/{name} runs no container on this node")
+        archive = await asyncio.to_thread(real.checkpoint, self.checkpoints, base)
+        self.archives.append(tar_names(archive))
+        self.checkpointed.append(f"{namespace}/{name}/{container}")
+        return f"{KUBELET_DIR}/{archive.name}"
+
+
+    async def _plain_dump(self, workload: Workload, base: str) -> str:
+        """A node without a container runtime (``restore_into = "agent"``): the workload's
+        process dumped with plain CRIU (``--leave-running``), only ``checkpoint/`` and the
+        logs in the archive. Nothing else produces an archive without the runtime."""
         work = self.root / "kubelet-work" / base
         images = work / "checkpoint"
         images.mkdir(parents=True)
         proc = await asyncio.create_subprocess_exec(
-            CRIU,
-            "dump",
-            "-t",
-            str(workload.pid),
-            "-D",
-            str(images),
-            "--leave-running",
-            "-o",
-            "dump.log",
-            "-v4",
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
+            CRIU, "dump", "-t", str(workload.pid), "-D", str(images), "--leave-running",
+            "-o", "dump.log", "-v4",
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
         _, err = await proc.communicate()
         if proc.returncode != 0:
-            raise RuntimeError(
-                f"criu dump failed: {err.decode()} {(images / 'dump.log').read_text()[-2000:]}"
-            )
+            raise RuntimeError(f"criu dump failed: {err.decode()}")
         shutil.move(images / "dump.log", work / "dump.log")
-        shutil.copy(images / "stats-dump", work / "stats-dump")
-        (work / "config.dump").write_text(
-            json.dumps(
-                {
-                    "id": pod["status"]["containerStatuses"][0]["containerID"].split("://")[1],
-                    "name": container,
-                    "rootfsImage": pod["spec"]["containers"][0]["image"],
-                    "rootfsImageRef": pod["status"]["containerStatuses"][0]["imageID"],
-                    "rootfsImageName": pod["spec"]["containers"][0]["image"],
-                    "runtime": "io.containerd.runc.v2",
-                    "createdTime": stamp,
-                    "checkpointedTime": stamp,
-                }
-            )
-        )
-        (work / "spec.dump").write_text(
-            json.dumps(
-                {
-                    "ociVersion": "1.2.0",
-                    "process": {"args": ["jupyterhub-singleuser"], "cwd": "/home/jovyan"},
-                    "root": {"path": "rootfs"},
-                    "annotations": {
-                        "io.kubernetes.pod.name": name,
-                        "io.kubernetes.pod.namespace": namespace,
-                        "io.kubernetes.container.name": container,
-                        "io.kubernetes.pod.uid": pod["metadata"]["uid"],
-                    },
-                }
-            )
-        )
-        with tarfile.open(work / "rootfs-diff.tar", "w"):
-            pass
         archive = self.checkpoints / f"{base}.tar"
         with tarfile.open(archive, "w") as tar:
-            for entry in (
-                "config.dump",
-                "spec.dump",
-                "checkpoint",
-                "rootfs-diff.tar",
-                "dump.log",
-                "stats-dump",
-            ):
+            for entry in ("checkpoint", "dump.log"):
                 tar.add(work / entry, arcname=entry)
         os.chmod(archive, 0o600)
         shutil.rmtree(work)
-        self.checkpointed.append(f"{namespace}/{name}/{container}")
-        return f"{KUBELET_DIR}/{base}.tar"
+        self.archives.append(tar_names(archive))
+        return f"{KUBELET_DIR}/{archive.name}"
 
 
 class FakeHandler(web.RequestHandler):
@@ -1338,7 +1252,14 @@ async def _checkpoint(handler: FakeHandler, namespace: str, pod: str, container:
             f"checkpointing of {namespace}/{pod}/{container} failed (rpc error: code = Unknown desc = "
             f'failed to checkpoint container {container}: running "criu" failed: exit status 1)'
         )
-    path = await kube.kubelet_checkpoint(namespace, pod, container)
+    try:
+        path = await kube.kubelet_checkpoint(namespace, pod, container)
+    except (RuntimeError, AssertionError) as e:  # the runtime failed: the kubelet's 500
+        handler.set_status(500)
+        return handler.finish(
+            f"checkpointing of {namespace}/{pod}/{container} failed (rpc error: code = Unknown "
+            f"desc = failed to checkpoint container {container}: {e})"
+        )
     handler.set_header("Content-Type", "application/json")
     handler.finish(json.dumps({"items": [path]}))
 
@@ -1412,6 +1333,7 @@ class Cluster:
         self.secret_file.write_text(AGENT_SECRET + "\n")
         self.tree = NodeTree(self.root / "node")
         self._agent_config = agent_config
+        Workload.bare_default = agent_config.get("AgentApp__restore_into") == "agent"
         self.agent = AgentApp(config=self._config_for(NODE, "127.0.0.1", 0, self.tree, self.root / "restore"))
         await self.agent.start_server()
         self.agents = {NODE: self.agent}
@@ -1442,6 +1364,7 @@ class Cluster:
         c.AgentApp.checkpoint_dir = str(self.kube.checkpoints)
         c.AgentApp.restore_dir = str(restore_dir)
         c.AgentApp.criu_path = CRIU
+        c.AgentApp.runtime_state_dirs = [str(RUNC_ROOT)]
         c.AgentApp.cpu_sample_seconds = 0.01
         c.KubeAPI.api_url = self.kube.api_url
         c.KubeAPI.token_file = str(self.agent_token_file)
@@ -1563,6 +1486,7 @@ class Cluster:
         tree.add_pod_process(pid, pod["metadata"]["uid"], container_id(status_id), usage_usec)
 
     async def stop(self) -> None:
+        Workload.bare_default = False
         for agent in self.agents.values():
             await agent.stop_server()
         await self.kube.stop()

@@ -1,22 +1,22 @@
 """The agent restores a checkpoint into the placeholder pod's container, for real.
 
-A real process in its own net/IPC/UTS namespaces stands for the notebook container;
-the fake kubelet dumps it with real CRIU into a kubelet-style archive. A second real
-process in fresh namespaces, placed in a real cgroup v2 folder named like a pod
-container's cgroup, stands for the placeholder. ``POST /v1/restore`` must find the
-placeholder through the agent's host-PID → pod mapping (real /proc, real cgroups) and
-restore the process into the placeholder's namespaces and cgroup, memory intact.
+A real runc container (fake_kube.Workload, in its own pod sandbox) stands for the notebook
+container; the runtime checkpoints it (``runc checkpoint``, CRI-O's archive) through the
+fake kubelet. A second real container, ``sleep infinity`` in another pod sandbox with the
+same volume and placed in a cgroup named like a pod container's, is the placeholder.
+``POST /v1/restore`` must find the placeholder through the agent's host-PID → pod mapping
+(real /proc, real cgroups) and restore the process into the placeholder's namespaces and
+cgroup, memory intact.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import time
 from pathlib import Path
 
 import pytest
-from fake_kube import Cluster, SandboxContainer, Workload, cgroup2_mount
+from fake_kube import Cluster, Workload, cgroup2_mount
 from traitlets import TraitError
 
 from jupyterhub_gpusnap.agent.app import AgentApp
@@ -50,18 +50,16 @@ async def start_cluster(tmp_path: Path) -> Cluster:
     )
 
 
-def placeholder_pod(cluster: Cluster, image: str) -> dict:
+def placeholder_pod(cluster: Cluster, image: str, runtime=None) -> dict:
     """The placeholder pod SnapKubeSpawner creates in place of the deleted user pod."""
-    pod = cluster.add_user_pod("alice", placeholder_for=image)
+    pod = cluster.add_user_pod("alice", placeholder_for=image, runtime=runtime)
     assert pod["metadata"]["annotations"][PLACEHOLDER_ANNOTATION] == image
     return pod
 
 
 async def test_restore_joins_the_placeholders_namespaces_and_cgroup(tmp_path):
     cluster = await start_cluster(tmp_path)
-    work = Workload(tmp_path, namespaces=True).start()
-    sandbox = None
-    restored = 0
+    work = Workload(tmp_path).start()
     try:
         dumped_ns = ns_of(work.pid)
         assert dumped_ns != ns_of("self")  # a container of its own
@@ -74,28 +72,28 @@ async def test_restore_joins_the_placeholders_namespaces_and_cgroup(tmp_path):
         pvc.mkdir()
         shipped = await Shipper().to_pvc(archive, pvc, "alice/", 0, time.time())
 
-        # the server's pod is deleted (its PIDs free); the placeholder takes its place
+        # the server's pod is deleted; the placeholder takes its place (another pod)
         work.stop()
         cluster.kube.pods.pop(("jhub", "jupyter-alice"))
-        sandbox = SandboxContainer(placeholder_pod(cluster, shipped.id)).start()
-        assert ns_of(sandbox.pid) not in (ns_of("self"), dumped_ns)
+        placeholder = work.placeholder()
+        placeholder_pod(cluster, shipped.id, placeholder)
+        assert ns_of(placeholder.pid) not in (ns_of("self"), dumped_ns)
 
         code, body = await cluster.restore_into(shipped.id)
         assert code == 200, body
         restored = body["pid"]
-        assert restored == work.pid  # CRIU restores the same PID
-        assert body["placeholder_pid"] == sandbox.pid
+        assert body["placeholder_pid"] == placeholder.pid
         # in the placeholder's namespaces, not the agent's nor the dumped container's
-        assert ns_of(restored) == ns_of(sandbox.pid) == body["namespaces"]
+        assert ns_of(restored) == ns_of(placeholder.pid) == body["namespaces"]
         assert ns_of(restored) != ns_of("self")
         # in the placeholder container's cgroup, so the pod's limits and deletion apply
-        assert cgroup_of(restored) == cgroup_of(sandbox.pid) == sandbox.cgroup_path
-        assert body["cgroup"] == sandbox.cgroup_path
-        assert str(restored) in (sandbox.cgroup / "cgroup.procs").read_text().split()
+        assert cgroup_of(restored) == cgroup_of(placeholder.pid) == placeholder.cgroup_path
+        assert body["cgroup"] == placeholder.cgroup_path
+        assert restored in placeholder.cgroup_pids()
         # criu itself was started there (the restored tree is born in the pod's cgroup,
         # not moved in afterwards): the agent never moves criu
         (criu,) = cluster.agent._restored
-        assert cgroup_of(criu.criu.pid) == sandbox.cgroup_path
+        assert cgroup_of(criu.criu.pid) == placeholder.cgroup_path
         # the process state survived: the same secret, the counter goes on from the dump
         at_restore = len(work.lines())
         after = await work.wait_lines(at_restore + 2)
@@ -104,16 +102,9 @@ async def test_restore_joins_the_placeholders_namespaces_and_cgroup(tmp_path):
         assert new[0][1] > before[-1][1]
         assert not (tmp_path / "restore").exists() or not list((tmp_path / "restore").iterdir())
     finally:
-        if restored:
-            try:
-                os.kill(restored, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        work.close()  # the placeholder pod is deleted: the restored tree with it
         for r in cluster.agent._restored:  # criu exits once its restored tree is gone
             r.criu.wait(timeout=30)
-        work.stop()
-        if sandbox is not None:
-            sandbox.stop()
         await cluster.stop()
 
 

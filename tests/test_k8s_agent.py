@@ -10,7 +10,6 @@ import asyncio
 import itertools
 import json
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -20,7 +19,6 @@ from fake_kube import (
     AGENT_SECRET,
     NODE,
     Cluster,
-    SandboxContainer,
     Workload,
     cgroup2_mount,
     free_port,
@@ -58,7 +56,7 @@ async def cluster(tmp_path):
 @pytest.fixture
 async def host_cluster(tmp_path):
     """A cluster whose agent reads this machine's real /proc and cgroup v2 tree, so that
-    restores go into a real placeholder container (fake_kube.SandboxContainer)."""
+    restores go into a real placeholder container (Workload.placeholder)."""
     c = Cluster(tmp_path)
     await c.start(PodMapper__proc_root="/proc", PodMapper__cgroup_root=str(cgroup2_mount()))
     yield c
@@ -265,7 +263,7 @@ async def test_backend_checkpoint_ships_verified_image_and_records_it(
     host_cluster, registry, tmp_path
 ):
     cluster = host_cluster
-    work = Workload(tmp_path, namespaces=True).start()
+    work = Workload(tmp_path).start()
     await work.wait_lines(2)
     cluster.add_user_pod("alice", work)
     backend = KubernetesBackend(
@@ -311,21 +309,19 @@ async def test_backend_checkpoint_ships_verified_image_and_records_it(
     secret = work.lines()[0][0]
     work.stop()
     cluster.kube.pods.pop(("jhub", "jupyter-alice"))
-    sandbox = SandboxContainer(cluster.add_user_pod("alice", placeholder_for=info.id)).start()
-    pid = 0
+    placeholder = work.placeholder()
+    cluster.add_user_pod("alice", placeholder_for=info.id, runtime=placeholder)
     try:
         pid = await backend.restore(info, "jhub", "jupyter-alice")
-        assert pid == work.pid
-        assert os.readlink(f"/proc/{pid}/ns/net") == os.readlink(f"/proc/{sandbox.pid}/ns/net")
+        assert pid in placeholder.cgroup_pids()
+        assert os.readlink(f"/proc/{pid}/ns/net") == os.readlink(f"/proc/{placeholder.pid}/ns/net")
         seen = len(work.lines())
         after = (await work.wait_lines(seen + 1))[seen:]
         assert after[0][0] == secret and after[0][1] > 1
     finally:
-        if pid:
-            os.kill(pid, signal.SIGKILL)
+        work.close()
         for r in cluster.agent._restored:
             r.criu.wait(timeout=30)
-        sandbox.stop()
 
     await backend.delete(info.id)
     assert cluster.kube.configmaps == {} and await backend.latest("alice", "") is None
@@ -524,6 +520,27 @@ def gpu_user_pod(cluster: Cluster, work: Workload, models: list[str], gpu: int, 
     return libcuda
 
 
+class RestoringLibcuda(FakeLibcuda):
+    """The fake driver of a node where CRIU brings a GPU process back into ``placeholder``:
+    a process it has not seen, running in the placeholder's cgroup, is the checkpointed
+    one (its CUDA state, checkpointed, came back with the memory CRIU restored)."""
+
+    placeholder = None
+
+    def _adopt(self, pid):
+        if pid not in self.states and self.placeholder is not None:
+            if pid in self.placeholder.cgroup_pids():
+                self.states[pid] = CHECKPOINTED
+
+    def cuCheckpointProcessGetState(self, pid, ref):
+        self._adopt(pid)
+        return super().cuCheckpointProcessGetState(pid, ref)
+
+    def _step(self, name, pid, want, new, fail_code=None):
+        self._adopt(pid)
+        return super()._step(name, pid, want, new, fail_code)
+
+
 REFUSALS = {
     "other-model": (
         [A100, A100],
@@ -550,12 +567,18 @@ async def test_gpu_checkpoint_records_its_gpus_and_restores_only_where_they_matc
     runs; on a matching node the tree comes back and its GPU memory is resumed."""
     cluster = Cluster(tmp_path)
     restore_dir = tmp_path / "restore"
-    await cluster.start(AgentApp__restore_into="agent", AgentApp__restore_dir=str(restore_dir))
+    await cluster.start(
+        AgentApp__restore_dir=str(restore_dir),
+        PodMapper__proc_root="/proc",
+        PodMapper__cgroup_root=str(cgroup2_mount()),
+    )
     work = Workload(tmp_path).start()
     try:
         before = await work.wait_lines(3)
         # a two-GPU H100 node; the server's process holds 2 GiB on GPU 1
-        libcuda = gpu_user_pod(cluster, work, [H100, H100], gpu=1, nbytes=2 << 30)
+        cluster.add_user_pod("alice", work)
+        libcuda = RestoringLibcuda([work.pid])
+        give_node_gpus(cluster, libcuda, [H100, H100], held={1: {work.pid: 2 << 30}})
         pvc = tmp_path / "pvc"
         pvc.mkdir()
 
@@ -580,7 +603,11 @@ async def test_gpu_checkpoint_records_its_gpus_and_restores_only_where_they_matc
             "org.jupyterhub.gpusnap.gpu-devices": "1",
             "org.jupyterhub.gpusnap.driver-version": DRIVER,
         }
-        work.stop()  # the Hub deletes the pod; its PID is free for the restore
+        work.stop()  # the Hub deletes the pod
+        cluster.kube.pods.pop(("jhub", "jupyter-alice"))
+        placeholder = work.placeholder()
+        cluster.add_user_pod("alice", placeholder_for=body["id"], runtime=placeholder)
+        libcuda.placeholder = placeholder
         restore = {
             "namespace": "jhub",
             "pod": "jupyter-alice",
@@ -603,13 +630,13 @@ async def test_gpu_checkpoint_records_its_gpus_and_restores_only_where_they_matc
             # refused before fetching or CRIU: no scratch folder, no driver call
             assert not restore_dir.exists() or list(restore_dir.iterdir()) == [], case
             assert libcuda.calls == calls, case
-        assert not os.path.exists(f"/proc/{work.pid}")  # nothing was restored
+        assert placeholder.cgroup_pids() == [placeholder.pid]  # nothing was restored
 
         give_node_gpus(cluster, libcuda, [H100, H100])
         code, done = await cluster.agent_call("POST", "/v1/restore", restore)
         assert code == 200, done
         restored = done["pid"]
-        assert restored == work.pid
+        assert restored in placeholder.cgroup_pids() and restored != placeholder.pid
         # the restored process's GPU memory went back to the GPU and it runs again
         assert libcuda.calls[len(calls) :] == [("restore", restored), ("unlock", restored)]
         assert libcuda.states[restored] == RUNNING
@@ -617,13 +644,9 @@ async def test_gpu_checkpoint_records_its_gpus_and_restores_only_where_they_matc
         after = (await work.wait_lines(seen + 2))[seen:]
         assert all(secret == before[0][0] for secret, _ in after)
     finally:
+        work.close()  # the placeholder pod too: the restored tree with it
         for r in cluster.agent._restored:  # criu exits once its restored tree is gone
-            try:
-                os.kill(r.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             r.criu.wait(timeout=30)
-        work.stop()
         await cluster.stop()
 
 
