@@ -286,7 +286,7 @@ class ChunkStore:
             private_mkdir(final.parent)
             with self._writing_lock:
                 self._new_dirs.update((final.parent.parent, final.parent.parent.parent))
-        tmp = final.parent / f".{final.name}.{threading.get_ident()}.tmp"
+        tmp = final.parent / f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             for part in parts:

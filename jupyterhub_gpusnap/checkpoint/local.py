@@ -625,6 +625,11 @@ class LocalBackend(CheckpointBackend):
             p.mkdir(mode=0o700, exist_ok=True)
             os.chmod(p, 0o700)
 
+    def make_private_dirs(self, path: Path | str) -> None:
+        """Create a folder for a server's files (its log) as checkpoint_dir's own are made:
+        missing parts 0700, and those inside checkpoint_dir made 0700 if they were open."""
+        self._mkdir(Path(path))
+
     def _tighten(self, folder: Path) -> None:
         """Make a folder of checkpoint_dir 0700 (logged) if group or others may enter it."""
         try:
@@ -642,6 +647,9 @@ class LocalBackend(CheckpointBackend):
         """At start-up: every folder of checkpoint_dir (the checkpoints and the chunk store,
         not what is inside a checkpoint's folder) made 0700, each change logged."""
         self._tighten(self.root)
+        replicas = self.replica_root
+        if replicas is not None and replicas.is_dir() and self.root not in replicas.parents:
+            self._tighten(replicas)  # elsewhere (a second disk): its own folder
         for top in sorted(self.root.iterdir()):
             if not top.is_dir() or top.is_symlink():
                 continue
