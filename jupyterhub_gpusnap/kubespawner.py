@@ -3,10 +3,11 @@
 The service checkpoints an idle server (through the node agent and the kubelet) and then
 stops it through the Hub. This spawner's part is the other half:
 
-* on ``stop()`` it notices the verified checkpoint (the service annotates the pod with it,
-  or the configured backend lists it), keeps it in spawner state across ``clear_state()``
-  and sets ``will_resume`` so that the Hub keeps the server's API token, which the
-  checkpointed processes still hold;
+* on ``stop()`` it looks up the verified checkpoint the service recorded just before it
+  stopped the server (``checkpoint_backend_class``, by default the Kubernetes backend's
+  ConfigMap records), keeps it in spawner state across ``clear_state()`` and sets
+  ``will_resume`` so that the Hub keeps the server's API token, which the checkpointed
+  processes still hold;
 * on ``start()`` with such a checkpoint it restores instead of starting fresh:
 
   - ``restore_mode = "runtime"``: the pod's image becomes the checkpoint image, and a
@@ -16,6 +17,9 @@ stops it through the Hub. This spawner's part is the other half:
     the node where it landed restores the checkpoint into it (``POST /v1/restore``);
 
   then it waits until the server answers, reuses the old API token and reports progress;
+* calls to the node agent and the API server that fail for a moment (no answer, a
+  gateway's 502/503/504, an API server's 5xx) are tried again (``Backoff``); an error the
+  agent itself answers is final;
 * on any failure of the restore it deletes the placeholder, keeps the checkpoint image,
   starts a fresh server and says why in the progress messages and the log;
 * when ``stop()`` cannot tell whether a checkpoint exists (API server or checkpoint
@@ -36,6 +40,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
+from aiohttp import ClientError
 from jupyterhub.utils import url_escape_path, url_path_join
 from kubernetes_asyncio.client import (
     V1Affinity,
@@ -49,14 +54,13 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kubespawner import KubeSpawner
 from prometheus_client import Counter
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
-from traitlets import Enum, Float, Integer, List, Type, Unicode, default
+from traitlets import Enum, Float, Instance, Integer, List, Type, Unicode, default
 
 from .checkpoint.base import CheckpointBackend, CheckpointInfo
+from .checkpoint.kubernetes import agent_failure_is_transient
 from .model import server_key
+from .retry import Backoff
 
-#: Pod annotation where the service records the verified checkpoint of a running pod
-#: (JSON of :meth:`CheckpointInfo.as_dict`) just before it stops the server.
-CHECKPOINT_ANNOTATION = "gpusnap.jupyter.org/checkpoint"
 #: Pod annotation marking a placeholder pod, with the checkpoint id it waits for.
 PLACEHOLDER_ANNOTATION = "gpusnap.jupyter.org/placeholder-for"
 #: Pod annotation on a pod started from a checkpoint image (runtime restore).
@@ -76,7 +80,13 @@ LOOKUP_FAILURES = Counter(
 
 
 class AgentError(Exception):
-    """The node agent answered with an error (its ``error`` and ``fix`` in the message)."""
+    """The node agent answered with an error (its ``error`` and ``fix`` in the message).
+
+    ``transient``: a failure worth another try (:func:`agent_failure_is_transient`)."""
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 class CheckpointLookupError(Exception):
@@ -89,18 +99,34 @@ async def call_agent(
     token: str,
     body: dict | None = None,
     timeout: float = 30,
+    backoff: Backoff | None = None,
 ) -> dict:
     """Call the node agent's JSON API (``GET`` without ``body``, ``POST`` with it).
 
     Raises :class:`AgentError` with the agent's ``error`` and ``fix`` on a 4xx/5xx answer,
-    and with the reason when the agent cannot be reached.
+    and with the reason when the agent cannot be reached. With ``backoff``, what
+    :func:`~jupyterhub_gpusnap.checkpoint.kubernetes.agent_failure_is_transient` calls a
+    moment's failure is tried again.
     """
+    once = lambda: _call_agent_once(url, path, token, body, timeout)  # noqa: E731
+    if backoff is None:
+        return await once()
+    method = "GET" if body is None else "POST"
+    return await backoff.run(
+        once, lambda e: getattr(e, "transient", False), f"node agent at {url}: {method} {path}"
+    )
+
+
+async def _call_agent_once(
+    url: str, path: str, token: str, body: dict | None, timeout: float
+) -> dict:
+    method = "GET" if body is None else "POST"
     headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
     if body is not None:
         headers["Content-Type"] = "application/json"
     req = HTTPRequest(
         url_path_join(url, path),
-        method="GET" if body is None else "POST",
+        method=method,
         headers=headers,
         body=None if body is None else json.dumps(body),
         connect_timeout=min(timeout, 10),
@@ -115,13 +141,18 @@ async def call_agent(
             err = json.loads(e.response.body or b"{}")
         except ValueError:
             err = {}
-        msg = err.get("error") or f"HTTP {e.code}"
-        fix = err.get("fix")
-        raise AgentError(f"node agent at {url}: {msg}" + (f" (fix: {fix})" if fix else "")) from e
+        said = isinstance(err, dict) and bool(err.get("error"))
+        msg = err.get("error") if said else f"HTTP {e.code}"
+        fix = err.get("fix") if said else ""
+        raise AgentError(
+            f"node agent at {url}: {msg}" + (f" (fix: {fix})" if fix else ""),
+            transient=agent_failure_is_transient(method, e.code, said),
+        ) from e
     except OSError as e:
         raise AgentError(
             f"cannot reach the node agent at {url}: {e}. Is the gpusnap agent DaemonSet running on "
-            "that node, and does the hub's NetworkPolicy allow egress to the agent port?"
+            "that node, and does the hub's NetworkPolicy allow egress to the agent port?",
+            transient=agent_failure_is_transient(method, 0, False),
         ) from e
     return json.loads(resp.body or b"{}")
 
@@ -297,21 +328,15 @@ class SnapKubeSpawner(KubeSpawner):
         help="Extended resource name of a GPU; a restore requests the checkpoint's GPU count of it.",
     ).tag(config=True)
 
-    checkpoint_annotation = Unicode(
-        CHECKPOINT_ANNOTATION,
-        help="""Pod annotation where the service records the verified checkpoint before it
-        stops the server. Change it only together with the service's setting.
-        """,
-    ).tag(config=True)
-
     checkpoint_backend_class = Type(
-        None,
+        "jupyterhub_gpusnap.checkpoint.kubernetes.KubernetesBackend",
         klass=CheckpointBackend,
         allow_none=True,
-        help="""Optional checkpoint backend consulted on stop when the pod carries no
-        checkpoint annotation: its newest verified checkpoint of this server, taken after
-        the server started, is kept for the next start.
-        Example: ``jupyterhub_gpusnap.checkpoint.kubernetes.KubernetesBackend``.
+        help="""Where the service records verified checkpoints; consulted on stop: its newest
+        verified checkpoint of this server, taken after the server started, is kept for the
+        next start. The default reads the ConfigMaps the service's KubernetesBackend writes
+        (configure it with ``c.KubeAPI`` and ``c.AgentLocator.namespace`` as for the
+        service; the hub needs ``list configmaps`` there). None: never restore.
         """,
     ).tag(config=True)
 
@@ -344,6 +369,12 @@ class SnapKubeSpawner(KubeSpawner):
         5,
         help="How many past restore failures the spawner state keeps for admins to read.",
     ).tag(config=True)
+
+    backoff = Instance(Backoff)
+
+    @default("backoff")
+    def _default_backoff(self) -> Backoff:
+        return Backoff(parent=self)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -464,7 +495,10 @@ class SnapKubeSpawner(KubeSpawner):
             info["gpu_count"] = count
         if not info.get("gpu_model") and info["gpu_count"] and pod.spec.node_name:
             try:
-                node = await self.api.read_node(pod.spec.node_name)
+                node = await self._kube(
+                    f"read node {pod.spec.node_name}",
+                    lambda: self.api.read_node(pod.spec.node_name),
+                )
                 info["gpu_model"] = (node.metadata.labels or {}).get(self.gpu_product_label, "")
             except ApiException as e:
                 self.log.warning(
@@ -477,50 +511,43 @@ class SnapKubeSpawner(KubeSpawner):
                 )
 
     async def _checkpoint_of_running_pod(self, run: dict | None = None) -> dict | None:
-        """The verified checkpoint the service took of the pod now stopping, if any.
+        """The verified checkpoint the service recorded of the run now stopping, if any.
 
-        ``run`` (``{"started", "stopped"}`` epochs) judges a run that already stopped.
-        Raises :class:`CheckpointLookupError` when the answer is unknown: the pod could not
-        be read and no backend answered, or the backend failed and the pod had no record.
+        ``run`` (``{"started", "stopped"}`` epochs) judges a run that already stopped. The
+        pod is read too (its GPU request and node give the restore's placement). Raises
+        :class:`CheckpointLookupError` when the checkpoint backend does not answer.
         """
         self._stopping_pod = None
-        pod_error = ""
         try:
-            pod = await self.api.read_namespaced_pod(self.pod_name, self.namespace)
-            self._stopping_pod = pod
+            self._stopping_pod = await self._kube(
+                f"read pod {self.namespace}/{self.pod_name}",
+                lambda: self.api.read_namespaced_pod(self.pod_name, self.namespace),
+            )
         except ApiException as e:
             if e.status != 404:
-                pod_error = (
-                    f"reading pod {self.namespace}/{self.pod_name} failed: {e.status} {e.reason}"
-                )
-            pod = None
+                self.log.warning(
+                    "%s: reading pod %s/%s failed: %s %s; the restore will not be pinned to "
+                    "its GPU model",
+                    self.server_key, self.namespace, self.pod_name, e.status, e.reason,
+                )  # fmt: skip
         except Exception as e:
-            pod_error = f"reading pod {self.namespace}/{self.pod_name} failed: {e}"
-            pod = None
-        if pod_error:
-            self.log.warning("%s: %s", self.server_key, pod_error)
-        if pod is not None:
-            raw = (pod.metadata.annotations or {}).get(self.checkpoint_annotation)
-            if raw:
-                try:
-                    info = json.loads(raw)
-                except ValueError:
-                    self.log.error(
-                        "%s: annotation %s is not JSON; ignoring it",
-                        self.server_key,
-                        self.checkpoint_annotation,
-                    )
-                    info = None
-                if info and self._is_ours(info, run):
-                    return info
+            self.log.warning(
+                "%s: reading pod %s/%s failed: %s", self.server_key, self.namespace, self.pod_name, e
+            )
         if self.checkpoint_backend_class is None:
-            if pod_error:
-                raise CheckpointLookupError(pod_error)
             return None
-        try:
-            return await self._checkpoint_from_backend(run)
-        except CheckpointLookupError as e:
-            raise CheckpointLookupError("; ".join(filter(None, [pod_error, str(e)]))) from e
+        return await self._checkpoint_from_backend(run)
+
+    async def _kube(self, what: str, call):
+        """A Kubernetes API call of ours (KubeSpawner retries its own), tried again with
+        ``backoff`` on no answer and 5xx, never on 4xx."""
+
+        def transient(e: BaseException) -> bool:
+            if isinstance(e, ApiException):
+                return (e.status or 0) >= 500
+            return isinstance(e, (OSError, asyncio.TimeoutError, ClientError))
+
+        return await self.backoff.run(call, transient, f"{self.server_key}: {what}")
 
     def _is_ours(self, info: dict, run: dict | None = None) -> bool:
         """Is ``info`` a verified checkpoint of this server, taken during this run, just now?
@@ -691,7 +718,12 @@ class SnapKubeSpawner(KubeSpawner):
                 "image": checkpoint["id"],
             }
             result = await call_agent(
-                agent, "/v1/restore", self._agent_token(), body, timeout=self.agent_request_timeout
+                agent,
+                "/v1/restore",
+                self._agent_token(),
+                body,
+                timeout=self.agent_request_timeout,
+                backoff=self.backoff,
             )
             if not result.get("restored"):
                 raise AgentError(f"node agent on {node} did not restore: {result}")
@@ -760,10 +792,13 @@ class SnapKubeSpawner(KubeSpawner):
             return self.agent_url_template.format(host_ip=host_ip, node=node)
         namespace = self.agent_namespace or self.namespace
         try:
-            pods = await self.api.list_namespaced_pod(
-                namespace,
-                label_selector=self.agent_label_selector,
-                field_selector=f"spec.nodeName={node}",
+            pods = await self._kube(
+                f"list agent pods on node {node}",
+                lambda: self.api.list_namespaced_pod(
+                    namespace,
+                    label_selector=self.agent_label_selector,
+                    field_selector=f"spec.nodeName={node}",
+                ),
             )
         except ApiException as e:
             raise AgentError(

@@ -33,11 +33,9 @@ from fake_kube import (
     serve_notebook_api,
 )
 from jupyterhub import orm
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from traitlets.config import Config
 
 from jupyterhub_gpusnap.kubespawner import (
-    CHECKPOINT_ANNOTATION,
     PLACEHOLDER_ANNOTATION,
     RESTORED_FROM_ANNOTATION,
     SnapKubeSpawner,
@@ -75,6 +73,15 @@ def make_spawner(kube: FakeKube, agent: FakeAgent | None = None, **traits) -> Sn
     cfg.k8s_api_request_retry_timeout = 10
     cfg.restore_timeout = 15
     cfg.server_poll_interval = 0.05
+    # the checkpoint records (the default checkpoint_backend_class): the service's ConfigMaps
+    token_file = kube.root / "hub-sa-token"
+    token_file.write_text(HUB_TOKEN + "\n")
+    c.KubeAPI.api_url = kube.url
+    c.KubeAPI.token_file = str(token_file)
+    c.AgentLocator.namespace = "jhub"
+    # retries without the production waits
+    c.Backoff.first_delay = 0.01
+    c.Backoff.max_delay = 0.05
     if agent is not None:
         cfg.agent_namespace = "gpusnap-system"
         cfg.agent_port = agent.port
@@ -149,33 +156,29 @@ async def test_stop_keeps_checkpoint_and_token_across_clear_state(kube):
     spawner = make_spawner(kube)
     await spawner.start()
     assert ("jhub", "jupyter-alice") in kube.pods
-
-    # the service records its verified checkpoint on the pod before stopping the server
-    info = checkpoint(created=time.time())
-    req = HTTPRequest(
-        f"{kube.url}/api/v1/namespaces/jhub/pods/jupyter-alice",
-        method="PATCH",
-        headers={
-            "Authorization": f"Bearer {HUB_TOKEN}",
-            "Content-Type": "application/merge-patch+json",
-        },
-        body=json.dumps({"metadata": {"annotations": {CHECKPOINT_ANNOTATION: json.dumps(info)}}}),
+    spawner.orm_spawner.started = datetime.now(timezone.utc).replace(tzinfo=None) - timedelta(
+        minutes=5
     )
-    await AsyncHTTPClient().fetch(req)
+
+    # the service records its verified checkpoint (a ConfigMap) before stopping the server
+    image = record_configmap(kube, spawner, created=time.time() - 10)
 
     await spawner.stop()
     assert ("jhub", "jupyter-alice") not in kube.pods
     assert spawner.will_resume is True  # the Hub keeps the API token
     spawner.clear_state()  # as User.stop does
     state = spawner.get_state()
-    assert state["gpusnap"]["checkpoint"]["id"] == info["id"]
+    assert state["gpusnap"]["checkpoint"]["id"] == image
     assert state["gpusnap"]["api_token"] == "fresh-token-from-hub"
+    # what the checkpoint ran on, for the restore's placement
+    assert state["gpusnap"]["checkpoint"]["gpu_model"] == A100
+    assert state["gpusnap"]["checkpoint"]["gpu_count"] == 1
 
     # a new spawner object (after a hub restart) loads it from the database
     again = make_spawner(kube)
     again.load_state(json.loads(json.dumps(state)))
     again.clear_state()  # as User.spawn does before start
-    assert again.pending_checkpoint["id"] == info["id"]
+    assert again.pending_checkpoint["id"] == image
     assert again.will_resume is True
 
 
@@ -188,12 +191,13 @@ async def test_stop_without_checkpoint_forgets_token(kube):
     assert "gpusnap" not in spawner.get_state()
 
 
-async def test_unverified_checkpoint_annotation_is_ignored(kube):
+async def test_unverified_checkpoint_record_is_ignored(kube):
     spawner = make_spawner(kube)
     await spawner.start()
-    kube.pods[("jhub", "jupyter-alice")]["metadata"].setdefault("annotations", {})[
-        CHECKPOINT_ANNOTATION
-    ] = json.dumps(checkpoint(status="writing"))
+    spawner.orm_spawner.started = datetime.now(timezone.utc).replace(tzinfo=None) - timedelta(
+        minutes=5
+    )
+    record_configmap(kube, spawner, created=time.time() - 10, status="writing")
     await spawner.stop()
     assert spawner.will_resume is False
     assert spawner.pending_checkpoint is None
@@ -453,9 +457,7 @@ async def test_stop_ignores_a_checkpoint_the_server_outlived(kube, caplog):
     spawner.orm_spawner.started = datetime.now(timezone.utc).replace(tzinfo=None) - timedelta(
         hours=2
     )
-    kube.pods[("jhub", "jupyter-alice")]["metadata"].setdefault("annotations", {})[
-        CHECKPOINT_ANNOTATION
-    ] = json.dumps(checkpoint(created=time.time() - 3600))
+    record_configmap(kube, spawner, created=time.time() - 3600)
     await spawner.stop()
     assert spawner.pending_checkpoint is None
     assert spawner.will_resume is False
@@ -499,8 +501,10 @@ def backend_spawner(kube, tmp_path, api_url: str, agent=None, **traits) -> SnapK
     return spawner
 
 
-def record_configmap(kube, spawner, created: float, digest: str = "44") -> str:
-    """The service's record of a verified checkpoint (as KubernetesBackend writes it)."""
+def record_configmap(
+    kube, spawner, created: float, digest: str = "44", status: str = "verified"
+) -> str:
+    """The service's record of a checkpoint (as KubernetesBackend writes it)."""
     from jupyterhub_gpusnap.checkpoint.base import CheckpointInfo
     from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
 
@@ -509,7 +513,7 @@ def record_configmap(kube, spawner, created: float, digest: str = "44") -> str:
         user="alice",
         server_name="",
         created=created,
-        status="verified",
+        status=status,
         image_bytes=2 * 1024**3,
     )
     cm = KubernetesBackend(config=spawner.config)._configmap(info)
