@@ -145,7 +145,12 @@ class Placeholder:
         """The placeholder's root filesystem as the agent (and CRIU) can bind mount it."""
         if self.runtime is not None:
             return self.runtime.rootfs
-        return Path(self.proc_root) / str(self.pid) / "root"
+        root = Path(self.proc_root) / str(self.pid) / "root"
+        # a process in the agent's own mount namespace and root: CRIU takes "/" (a path
+        # through /proc/<pid>/root cannot be mounted from the tree's new mount namespace)
+        if not self.own_mount_ns and os.path.samefile(root, "/"):
+            return Path("/")
+        return root
 
     def restore_args(self, archive: ContainerArchive) -> tuple[list[str], list[tuple[str, str]]]:
         """``criu restore`` arguments for ``archive`` into this container, and the files to
