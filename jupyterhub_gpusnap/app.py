@@ -23,6 +23,7 @@ from traitlets.config import Application
 
 from . import __version__
 from .checkpoint.base import CheckpointBackend
+from .handlers.base import MAX_BODY_SIZE
 from .hub import HubClient
 from .hubconfig import CUSTOM_SCOPES, REQUIRED_SCOPES  # noqa: F401  (re-exported)
 from .policy import Policy, Rule
@@ -370,6 +371,10 @@ class GpuSnap(Application):
                 source.proxy_url = self.proxy_url
             if source.has_trait("api_token") and "api_token" not in configured:
                 source.api_token = self.hub.api_token
+        jupyter = self.jupyter_signal
+        if jupyter is not None:  # what the servers last reported, until they report again
+            for status in self.store.all():
+                jupyter.carry_over(status.key, status.last_sample)
         self.backend = None
         if self.action == "suspend" or any(r.get("action", self.action) == "suspend" and not r.get("exempt") for r in self.rules):
             try:
@@ -391,6 +396,13 @@ class GpuSnap(Application):
             backend=self.backend,
             notifier=self.notifier,
         )
+
+    @property
+    def jupyter_signal(self):
+        """The JupyterSignal among the sources (servers' reports go there), or None."""
+        from .signals.jupyter import JupyterSignal
+
+        return next((s for s in getattr(self, "sources", []) if isinstance(s, JupyterSignal)), None)
 
     def make_web_app(self) -> web.Application:
         from .handlers import make_handlers
@@ -452,7 +464,8 @@ class GpuSnap(Application):
             await self.backend.setup()
         app = self.make_web_app()
         url = urlparse(self.bind_url)
-        server = HTTPServer(app, xheaders=True)
+        # a longer body is refused before it is read (handlers/base.py)
+        server = HTTPServer(app, xheaders=True, max_body_size=MAX_BODY_SIZE)
         server.listen(url.port or 80, url.hostname or "127.0.0.1")
         self.log.info("%s %s listening on %s, prefix %s, tick every %gs", self.name, __version__, self.bind_url,
                       self.service_prefix, self.interval)

@@ -14,7 +14,9 @@ Usage::
         kernel_id, out = await hub.execute("alice", "print(6 * 7)")
 
 Single-user servers run with the simple spawner as root (``--allow-root``) with their
-home under ``<tmp>/home/<user>``; :meth:`RealHub.stop` stops them through the API and
+home under ``<tmp>/home/<user>``; unless the test says otherwise, their tokens may reach the
+gpusnap service (``hubconfig.server_token_scopes``) and ``GPUSNAP_SERVICE_URL`` points at it
+through the proxy, as docs/install.md configures a hub; :meth:`RealHub.stop` stops them through the API and
 then kills any process still working in the hub's tmp dir, so no test leaks servers.
 """
 
@@ -169,6 +171,14 @@ c.ConfigurableHTTPProxy.should_start = False
 c.ConfigurableHTTPProxy.api_url = "http://{self.ip}:{self.proxy_api_port}"
 c.ConfigurableHTTPProxy.auth_token = {self.proxy_token!r}
 c.JupyterHub.services.append({{"name": {self.admin_service!r}, "api_token": {self.admin_token!r}}})
+# what docs/install.md asks of every hub: server tokens may reach the gpusnap service (its
+# extension reports the server's kernels there), which the servers find through the proxy
+from jupyterhub_gpusnap.hubconfig import server_token_scopes as _gpusnap_token_scopes
+if "server_token_scopes" not in c.Spawner:
+    c.Spawner.server_token_scopes = _gpusnap_token_scopes("gpusnap")
+_env = dict(c.Spawner.environment) if "environment" in c.Spawner else {{}}
+_env.setdefault("GPUSNAP_SERVICE_URL", "http://{self.ip}:{self.port}/services/gpusnap/")
+c.Spawner.environment = _env
 c.JupyterHub.load_roles.append({{
     "name": "gpusnap-test-admin",
     "scopes": {ADMIN_SCOPES!r},

@@ -7,8 +7,14 @@ caller allowed to suspend stops a server of its own (a suspension with action "s
 
 Callers: anonymous, another user (bob on alice's servers), the owner (alice's API token, and her
 single-user server's own token read from the server process's environment), a reader
-(custom:gpusnap:read), a gpusnap admin (custom:gpusnap:admin), a Hub admin (admin:servers) and the
-service's own token. For every 200 the body must not carry another user's data.
+(custom:gpusnap:read), a gpusnap admin (custom:gpusnap:admin), a Hub admin (admin:servers), the
+service's own token and a token alice limited to ``read:users:name``. The last two lack
+``access:services!service=gpusnap``, so the service treats them as no login at all. For every 200
+the body must not carry another user's data.
+
+Then least privilege, end to end: the service's token cannot read a user's files or start a
+kernel, only a server's own token reports that server's kernels, and a busy kernel, reported by
+the server's extension (the service cannot poll), keeps its server from being called idle.
 """
 
 from __future__ import annotations
@@ -43,17 +49,21 @@ c.JupyterHub.load_roles.extend([
 ])
 """
 
-CALLERS = ["anonymous", "other", "owner", "owner_server", "reader", "admin", "hub_admin", "service"]
+CALLERS = [
+    "anonymous", "other", "owner", "owner_server", "reader", "admin", "hub_admin", "service",
+    "owner_limited",
+]
 
 #: Callers that must never see another user's data: who they are → the user whose data they may see.
-PRIVATE = {"other": "bob", "owner": "alice", "owner_server": "alice", "service": None}
+PRIVATE = {"other": "bob", "owner": "alice", "owner_server": "alice", "service": None,
+           "owner_limited": None}
 USERS = ("alice", "bob")
 
 
-def expect(
-    anonymous, other, owner, reader, admin, service, owner_server=None, hub_admin=None
-) -> dict:
-    """Expected status per caller; the server's own token acts as its owner, a Hub admin as an admin."""
+def expect(anonymous, other, owner, reader, admin, owner_server=None, hub_admin=None) -> dict:
+    """Expected status per caller; the server's own token acts as its owner, a Hub admin as an
+    admin; tokens without access to the service (the service's own, alice's limited one) as
+    nobody."""
     return {
         "anonymous": anonymous,
         "other": other,
@@ -62,23 +72,27 @@ def expect(
         "reader": reader,
         "admin": admin,
         "hub_admin": admin if hub_admin is None else hub_admin,
-        "service": service,
+        "service": anonymous,
+        "owner_limited": anonymous,
     }
 
 
-ANY_USER = expect(anonymous=403, other=200, owner=200, reader=200, admin=200, service=200)
-READ_SERVER = expect(anonymous=403, other=404, owner=200, reader=200, admin=200, service=404)
-WRITE_SERVER = expect(anonymous=403, other=404, owner=200, reader=403, admin=200, service=404)
-ADMIN_ONLY = expect(anonymous=403, other=404, owner=403, reader=403, admin=200, service=404)
-READERS = expect(anonymous=403, other=403, owner=403, reader=200, admin=200, service=403)
-ADMINS = expect(anonymous=403, other=403, owner=403, reader=403, admin=200, service=403)
-MISSING = expect(anonymous=403, other=404, owner=404, reader=404, admin=404, service=404)
+ANY_USER = expect(anonymous=403, other=200, owner=200, reader=200, admin=200)
+READ_SERVER = expect(anonymous=403, other=404, owner=200, reader=200, admin=200)
+WRITE_SERVER = expect(anonymous=403, other=404, owner=200, reader=403, admin=200)
+ADMIN_ONLY = expect(anonymous=403, other=404, owner=403, reader=403, admin=200)
+READERS = expect(anonymous=403, other=403, owner=403, reader=200, admin=200)
+ADMINS = expect(anonymous=403, other=403, owner=403, reader=403, admin=200)
+MISSING = expect(anonymous=403, other=404, owner=404, reader=404, admin=404)
+#: a server's Jupyter report: its own server token only
+REPORT = expect(anonymous=403, other=403, owner=403, reader=403, admin=403, owner_server=200)
 # pages: anonymous visitors are sent to the Hub's login (a POST without a login is refused)
-PAGE_ANY_USER = {**ANY_USER, "anonymous": 302}
-PAGE_READ_SERVER = {**READ_SERVER, "anonymous": 302}
-PAGE_WRITE_SERVER = {**READ_SERVER, "reader": 404, "anonymous": 302}
-PAGE_WRITE_SERVER_POST = {**PAGE_WRITE_SERVER, "anonymous": 403}
-PAGE_READERS = {**READERS, "anonymous": 302}
+NOBODY_PAGE = {"anonymous": 302, "service": 302, "owner_limited": 302}
+PAGE_ANY_USER = {**ANY_USER, **NOBODY_PAGE}
+PAGE_READ_SERVER = {**READ_SERVER, **NOBODY_PAGE}
+PAGE_WRITE_SERVER = {**READ_SERVER, "reader": 404, **NOBODY_PAGE}
+PAGE_WRITE_SERVER_POST = {**PAGE_WRITE_SERVER, "anonymous": 403, "service": 403, "owner_limited": 403}
+PAGE_READERS = {**READERS, **NOBODY_PAGE}
 
 
 @dataclass
@@ -121,6 +135,9 @@ API_CASES = [
     Case("GET", "api/events", READERS),
     Case("POST", "api/make-room", ADMINS, body={"bytes": 1024}),
     Case("POST", "api/make-room", ADMINS, body={"bytes": 1024, "gpu": 0}),
+    Case("POST", "api/servers/alice/jupyter", REPORT, body={"kernels": [], "terminals": []}),
+    Case("POST", "api/servers/bob/jupyter", {**REPORT, "owner_server": 403},
+         body={"kernels": [], "terminals": []}),
     Case("GET", "api/events?server=alice/", READ_SERVER),
     Case("GET", "api/events?server=alice/lab&limit=5", READ_SERVER),
     Case("GET", "metrics", READERS),
@@ -216,6 +233,7 @@ async def caller_tokens(hub, service) -> dict[str, str | None]:
         "admin": await hub.user_token("adam"),
         "hub_admin": await hub.user_token("hank"),
         "service": service.token,
+        "owner_limited": await hub.user_token("alice", scopes=["read:users:name!user=alice"]),
     }
 
 
@@ -271,7 +289,7 @@ async def test_access_matrix(hub_factory, tmp_path):
 
         # what each kind of caller sees in the list
         visible = {}
-        for caller in CALLERS[1:]:
+        for caller in ["other", "owner", "owner_server", "reader", "admin", "hub_admin"]:
             code, _, text = await call(hub, Case("GET", "api/servers", ANY_USER), tokens[caller])
             visible[caller] = sorted(s["server"] for s in json.loads(text)["servers"])
         everything = sorted(SERVERS)
@@ -282,7 +300,6 @@ async def test_access_matrix(hub_factory, tmp_path):
             "reader": everything,
             "admin": everything,
             "hub_admin": everything,
-            "service": [],
         }, visible
         code, _, text = await call(hub, Case("GET", "api/info", ANY_USER), tokens["admin"])
         assert json.loads(text)["admin"] is True
@@ -331,4 +348,100 @@ async def test_access_matrix(hub_factory, tmp_path):
                     f"{other} stopped with {key}"
                 )
     finally:
+        await service.stop()
+
+
+LEAST_PRIVILEGE_SETTINGS = """
+c.GpuSnap.interval = 1
+c.GpuSnap.idle_window = 8
+c.GpuSnap.min_running = 0
+c.GpuSnap.warn_before = 0
+c.GpuSnap.action = "stop"
+"""
+
+
+async def proxy_request(hub, path: str, token: str, method: str = "GET", body: dict | None = None):
+    """``path`` under the proxy's root with ``token``; (status, body text). No redirects followed."""
+    req = HTTPRequest(
+        hub.url + path,
+        method=method,
+        headers={"Authorization": f"token {token}"},
+        body=None if body is None and method == "GET" else json.dumps(body or {}),
+        follow_redirects=False,
+        request_timeout=30,
+    )
+    resp = await AsyncHTTPClient().fetch(req, raise_error=False)
+    return resp.code, resp.body.decode("utf8", "replace") if resp.body else ""
+
+
+async def test_the_service_reaches_no_server_and_a_busy_kernel_reported_by_its_server_counts(
+    hub_factory, tmp_path
+):
+    service = GpuSnapService(tmp_path / "gpusnap", LEAST_PRIVILEGE_SETTINGS)
+    hub = await hub_factory(service.hub_config() + EXTRA_HUB_CONFIG)
+    await asyncio.gather(hub.start_server("alice"), hub.start_server("bob"))
+    busy_cell = None
+    try:
+        secret = "the-secret-of-alice-" + tmp_path.name
+        (hub.home_root / "alice" / "secret.txt").write_text(secret)
+        alice = await hub.user_token("alice")
+
+        # the service's own token: no file of alice's, no kernel in her server
+        code, me = await hub.api("GET", "/user", token=service.token)
+        assert code == 200 and not any(s.startswith("access:servers") for s in me["scopes"]), me
+        code, text = await proxy_request(hub, "user/alice/api/contents/secret.txt", service.token)
+        assert code in (403, 404) and secret not in text, (code, text[:300])
+        code, text = await proxy_request(hub, "user/alice/api/kernels", service.token, "POST", {})
+        assert code in (403, 404), (code, text[:300])
+        # (the same requests with alice's token do it: the refusals above are the scopes')
+        code, text = await proxy_request(hub, "user/alice/api/contents/secret.txt", alice)
+        assert code == 200 and secret in text, (code, text[:300])
+
+        # alice runs a silent, long cell; only her server's extension can tell the service
+        code, kernel = await hub.user_request("alice", "api/kernels", "POST", {})
+        assert code == 201, kernel
+        busy_cell = asyncio.ensure_future(
+            hub.execute("alice", "import time; time.sleep(600)", kernel_id=kernel["id"], timeout=900)
+        )
+
+        async def kernel_busy():
+            code, model = await hub.user_request("alice", f"api/kernels/{kernel['id']}?no_track_activity=1")
+            return code == 200 and model["execution_state"] == "busy"
+
+        await service.wait_for(kernel_busy, what="alice's cell to run")
+        await service.start(hub)
+
+        async def alice_busy():
+            status = await service.server_status("alice/")
+            return status if status and status["signals"].get("kernels_busy") == 1 else None
+
+        seen = await service.wait_for(alice_busy, what="alice's busy kernel, as her server reported it")
+        assert "jupyter" not in seen["signals"].get("errors", {}), seen
+        started = asyncio.get_running_loop().time()
+
+        # bob's server, idle, is stopped by the same rule; alice's stays while the cell runs
+        async def bob_stopped():
+            return await hub.get_server("bob") is None
+
+        await service.wait_for(bob_stopped, what="bob's idle server to be stopped")
+
+        async def past_two_windows():
+            return asyncio.get_running_loop().time() - started > 2 * 8
+
+        await service.wait_for(past_two_windows, what="two idle windows to pass")
+        status = await service.server_status("alice/")
+        assert await hub.get_server("alice") is not None, "alice's busy server was stopped"
+        assert status["state"] == "active" and status["signals"]["kernels_busy"] == 1, status
+
+        # the cell ends (interrupt): her server reports an idle kernel, and now it goes
+        code, _ = await hub.user_request("alice", f"api/kernels/{kernel['id']}/interrupt", "POST", {})
+        assert code == 204
+
+        async def alice_stopped():
+            return await hub.get_server("alice") is None
+
+        await service.wait_for(alice_stopped, timeout=90, what="alice's server, idle now, to be stopped")
+    finally:
+        if busy_cell is not None:
+            busy_cell.cancel()
         await service.stop()

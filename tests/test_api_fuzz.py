@@ -129,9 +129,101 @@ def test_openapi_operations_are_all_fuzzed():
         "POST /api/servers/{user}/{name}/suspend",
         "POST /api/servers/{user}/interaction",
         "POST /api/servers/{user}/{name}/interaction",
+        "POST /api/servers/{user}/jupyter",
+        "POST /api/servers/{user}/{name}/jupyter",
         "POST /api/servers/{user}/exempt",
         "POST /api/servers/{user}/{name}/exempt",
         "GET /api/events",
         "POST /api/make-room",
         "GET /metrics",
     }, labels
+
+
+async def raw_exchange(port: int, head: bytes, body: bytes = b"", timeout: float = 30) -> bytes:
+    """Send ``head`` (request line and headers) and ``body`` to 127.0.0.1:``port``; return what
+    comes back before the server closes the connection or ``timeout`` passes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head + body)
+        await writer.drain()
+        try:
+            return await asyncio.wait_for(reader.read(65536), timeout)
+        except asyncio.TimeoutError:
+            return b""
+    finally:
+        writer.close()
+
+
+async def test_bad_input_is_a_400_that_says_why_never_a_500(hub_factory, tmp_path):
+    hub, service = await start_hub_and_service(hub_factory, tmp_path, servers=("alice/",))
+    try:
+        alice = await hub.user_token("alice")
+        keep = "api/servers/alice/keep"
+        cases = [
+            (b'{"seconds": ' + b"9" * 400 + b"}", "seconds"),
+            (b'{"until": ' + b"9" * 400 + b"}", "until"),
+            (b'{"until": -1e308}', "past"),
+            (b'{"until": 1e308}', "9999"),
+            (b'{"until": "0001-01-01T00:00:00Z"}', "past"),
+            (b'{"until": "2026-11-22T18:00:00"}', "time zone"),
+            (b'{"seconds": 1e308}', "seconds"),
+            (b'{"seconds": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nests deeper"),
+            (b"[" * 5000 + b"]" * 5000, "nests deeper"),
+            (b'{"seconds": -Infinity}', "-Infinity"),
+            (b'{"until": NaN}', "NaN"),
+            (b'{"seconds": "\xff"}', "UTF-8"),
+        ]
+        for raw, word in cases:
+            code, data = await service.api("POST", keep, raw, token=alice)
+            assert code == 400, f"{raw[:60]!r}: {code} {data}"
+            assert word in data["message"], f"{raw[:60]!r}: {data}"
+            if word == "-Infinity":
+                assert "NaN" not in data["message"], data
+        # the same through the server's report
+        code, data = await service.api(
+            "POST", "api/servers/alice/jupyter", b'{"kernels": [' * 3000, token=alice
+        )
+        assert code in (400, 403), data
+        # ?limit= is 1..500: no way around the cap
+        for limit in ("-1", "0", "501", "1e3", "x"):
+            code, data = await service.api("GET", f"api/events?server=alice/&limit={limit}", token=alice)
+            assert code == 400 and "limit" in data["message"], (limit, code, data)
+        code, data = await service.api("GET", "api/events?server=alice/&limit=500", token=alice)
+        assert code == 200, data
+        # nothing above changed alice's state: still no keep-running
+        assert (await service.server_status("alice/"))["keep_until"] is None
+
+        # an anonymous 90 MB body is refused before it is read: the 403 comes back although
+        # not one byte of the body was sent
+        head = (
+            f"POST /services/gpusnap/{keep} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {90 * 1024 * 1024}\r\n\r\n"
+        ).encode()
+        answer = await raw_exchange(service.port, head)
+        assert answer.startswith(b"HTTP/1.1 403"), answer[:300]
+        # a logged-in caller's body over 1 MiB is refused before it is read, too (400)
+        answer = await raw_exchange(
+            service.port,
+            head.replace(b"Host: 127.0.0.1\r\n", f"Host: 127.0.0.1\r\nAuthorization: token {alice}\r\n".encode()),
+        )
+        assert answer.startswith(b"HTTP/1.1 400"), answer[:300]
+        # a body up to the limit is read (and judged)
+        code, data = await service.api("POST", keep, b'{"seconds": 60, "pad": "' + b"x" * 500_000 + b'"}',
+                                       token=alice)
+        assert code == 200, data
+
+        # every page and answer says where it may be shown and what it may load
+        browser = await hub.browser("alice")
+        try:
+            page = await browser.request("/services/gpusnap/")
+            assert page.code == 200, page.code
+            for resp in (page, await browser.request("/services/gpusnap/api/info")):
+                csp = resp.headers.get("Content-Security-Policy", "")
+                assert "frame-ancestors 'self'" in csp and "script-src 'self'" in csp, csp
+                assert "unsafe-inline" not in csp, csp
+                assert resp.headers.get("X-Frame-Options") == "SAMEORIGIN"
+        finally:
+            browser.close()
+        assert "Traceback" not in service.log_text(), service.log_text()[-3000:]
+    finally:
+        await service.stop()

@@ -18,7 +18,14 @@ from jupyter_client import AsyncKernelClient
 from ports import free_port
 
 from jupyterhub_gpusnap.model import Server
-from jupyterhub_gpusnap.signals.jupyter import JupyterSignal, parse_iso8601
+from jupyterhub_gpusnap.signals.jupyter import (
+    MAX_REPORT_ITEMS,
+    JupyterPollSignal,
+    JupyterSignal,
+    Report,
+    ReportError,
+    parse_iso8601,
+)
 
 TOKEN = "test-token-0123456789"
 PREFIX = "/user/alice/"
@@ -152,7 +159,7 @@ def alice() -> Server:
 
 
 def source_for(server: JupyterServer, token: str = TOKEN) -> JupyterSignal:
-    return JupyterSignal(proxy_url=server.url, api_token=token)
+    return JupyterPollSignal(proxy_url=server.url, api_token=token)
 
 
 async def wait_for(source: JupyterSignal, predicate, what: str):
@@ -254,7 +261,7 @@ async def test_wrong_token_is_a_sample_error(jupyter):
 
 
 async def test_unreachable_server_is_a_sample_error():
-    source = JupyterSignal(proxy_url=f"http://127.0.0.1:{free_port()}", api_token=TOKEN)
+    source = JupyterPollSignal(proxy_url=f"http://127.0.0.1:{free_port()}", api_token=TOKEN)
     sample = await source.sample(alice())
     assert "cannot reach" in sample.errors["jupyter"]
 
@@ -278,3 +285,89 @@ def test_urls_carry_no_track_activity():
 )
 def test_parse_iso8601(stamp, epoch):
     assert parse_iso8601(stamp) == epoch
+
+
+# ---------------------------------------------------------------- the servers' own reports
+
+
+def report(kernels=(), terminals=(), interval=60, received=None) -> Report:
+    body = {"kernels": list(kernels), "terminals": list(terminals), "interval": interval}
+    return Report.from_body(body, time.time() if received is None else received)
+
+
+async def test_a_server_that_never_reported_gives_no_signal():
+    sample = await JupyterSignal().sample(alice())
+    assert sample.kernels is None and "has not reported" in sample.errors["jupyter"]
+    assert "jupyterhub_gpusnap.serverext" in sample.errors["jupyter"]
+
+
+async def test_a_report_is_the_signal_until_it_is_stale():
+    source = JupyterSignal()
+    now = time.time()
+    source.record("alice/", report(
+        [{"execution_state": "busy", "last_activity": "2026-11-22T20:41:49Z"},
+         {"execution_state": "idle", "last_activity": "2026-11-22T20:40:00Z"}],
+        [{"last_activity": "2026-11-22T20:41:50Z"}],
+    ))
+    sample = await source.sample(alice(), now)
+    assert (sample.kernels, sample.kernels_busy, sample.terminals) == (2, 1, 1), sample
+    assert sample.jupyter_last_activity == parse_iso8601("2026-11-22T20:41:50Z")
+    assert sample.errors == {}
+    # three of the server's intervals without a report: no signal (never "idle")
+    source.record("alice/", report(interval=10, received=time.time() - 31))
+    sample = await source.sample(alice(), now)
+    assert sample.kernels is None and "ago" in sample.errors["jupyter"], sample
+    # a tick forgets servers no longer running
+    source.record("alice/", report())
+    await source.prefetch([Server(user="bob")])
+    assert source.reports == {}
+
+
+async def test_the_poll_signal_reads_a_fresh_report_and_polls_the_rest():
+    # nothing listens there: a poll would be an error
+    source = JupyterPollSignal(proxy_url=f"http://127.0.0.1:{free_port()}", api_token=TOKEN)
+    source.record("alice/", report([{"execution_state": "busy", "last_activity": None}]))
+    sample = await source.sample(alice())
+    assert sample.kernels_busy == 1 and sample.errors == {}, sample
+    source.forget("alice/")
+    sample = await source.sample(alice())
+    assert "cannot reach" in sample.errors["jupyter"]
+
+
+@pytest.mark.parametrize(
+    "body, word",
+    [
+        ({"terminals": []}, "'kernels'"),
+        ({"kernels": {}, "terminals": []}, "'kernels'"),
+        ({"kernels": [], "terminals": [1]}, "object"),
+        ({"kernels": [{"execution_state": 1}], "terminals": []}, "execution_state"),
+        ({"kernels": [{"last_activity": "yesterday"}], "terminals": []}, "ISO 8601"),
+        ({"kernels": [{"last_activity": 12}], "terminals": []}, "ISO 8601"),
+        ({"kernels": [], "terminals": [], "interval": 0}, "'interval'"),
+        ({"kernels": [], "terminals": [], "interval": 10**400}, "'interval'"),
+        ({"kernels": [{}] * (MAX_REPORT_ITEMS + 1), "terminals": []}, "at most"),
+    ],
+)
+def test_a_malformed_report_says_what_to_send(body, word):
+    with pytest.raises(ReportError, match=word):
+        Report.from_body(body, 0.0)
+
+
+async def test_a_restarted_service_carries_the_stored_reading_over_until_the_server_reports():
+    source = JupyterSignal()
+    now = time.time()
+    stored = {"time": now - 20, "kernels": 3, "kernels_busy": 1, "terminals": 1,
+              "jupyter_last_activity": 1795380109.5}
+    source.carry_over("alice/", stored)
+    sample = await source.sample(alice(), now)
+    assert (sample.kernels, sample.kernels_busy, sample.terminals) == (3, 1, 1), sample
+    assert sample.jupyter_last_activity == 1795380109.5 and sample.errors == {}
+    # a reading from long ago, or one without the Jupyter signal, carries nothing over
+    for old in ({**stored, "time": now - 3600}, {"time": now, "kernels": None}):
+        other = JupyterSignal()
+        other.carry_over("alice/", old)
+        assert "jupyter" in (await other.sample(alice(), now)).errors
+    # a real report is never replaced by an old reading
+    source.record("alice/", report())
+    source.carry_over("alice/", stored)
+    assert (await source.sample(alice(), now)).kernels == 0

@@ -11,6 +11,7 @@ from tornado import web
 from .. import __version__
 from ..gpuview import RoomRequestError
 from ..model import Server, State, server_key
+from ..signals.jupyter import Report, ReportError
 from .base import APIHandler, iso
 
 #: An admin's exemption is a keep-running with no end (the year 2100), which the policy already honours.
@@ -65,28 +66,49 @@ def status_model(app, status, with_events: bool = True) -> dict:
     return model
 
 
+#: The latest ``until`` the API takes: the last second of the year 9999 (datetime's limit).
+LATEST_UNTIL = 253402300799.0
+
+
+def _number(value: object) -> float | None:
+    """``value`` as a finite float, or None (not a number, a bool, too large for a float)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)  # a 400-digit integer overflows here
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 def parse_until(body: dict, now: float) -> float:
     """keep-running body: {"seconds": N} or {"until": ISO 8601 or epoch seconds}."""
     if "seconds" in body:
-        seconds = body["seconds"]
-        if (
-            isinstance(seconds, bool)
-            or not isinstance(seconds, (int, float))
-            or not math.isfinite(seconds)
-            or seconds <= 0
-        ):
-            raise web.HTTPError(400, "'seconds' must be a positive number of seconds, e.g. {\"seconds\": 3600}")
-        return now + float(seconds)
+        seconds = _number(body["seconds"])
+        if seconds is None or seconds <= 0 or seconds > LATEST_UNTIL:
+            raise web.HTTPError(
+                400, "'seconds' must be a positive number of seconds, at most a few years, e.g. {\"seconds\": 3600}"
+            )
+        return now + seconds
     if "until" in body:
         until = body["until"]
-        if isinstance(until, (int, float)) and not isinstance(until, bool) and math.isfinite(until):
-            return float(until)
         if isinstance(until, str):
             try:
-                return datetime.fromisoformat(until.replace("Z", "+00:00")).timestamp()
+                stamp = datetime.fromisoformat(until.replace("Z", "+00:00"))
             except ValueError:
-                pass
-        raise web.HTTPError(400, "'until' must be an ISO 8601 time such as 2026-11-22T18:00:00Z")
+                stamp = None
+            if stamp is not None:
+                if stamp.tzinfo is None:
+                    raise web.HTTPError(400, "'until' needs a time zone, e.g. 2026-11-22T18:00:00Z")
+                until = stamp.timestamp()
+        number = _number(until)
+        if number is None:
+            raise web.HTTPError(400, "'until' must be an ISO 8601 time such as 2026-11-22T18:00:00Z, or epoch seconds")
+        if number <= now:
+            raise web.HTTPError(400, "'until' is in the past; choose a later time")
+        if number > LATEST_UNTIL:
+            raise web.HTTPError(400, "'until' is after the year 9999; choose an earlier time")
+        return number
     raise web.HTTPError(400, "Send {\"seconds\": N} or {\"until\": \"<ISO 8601 time>\"}")
 
 
@@ -155,6 +177,8 @@ class ServerActionHandler(ServerMixin, APIHandler):
     async def post(self, user, name=None, action=None):
         app = self.gpusnap
         body = self.json_body()
+        if action == "jupyter":
+            return self.jupyter_report(user, name or "", body)
         if action == "exempt":
             model, status = self.find(user, name, write=True)
             if not self.is_admin(model):
@@ -193,15 +217,43 @@ class ServerActionHandler(ServerMixin, APIHandler):
         raise web.HTTPError(404)
 
 
+    def jupyter_report(self, user: str, name: str, body: dict) -> None:
+        """A server's own extension reports its kernels and terminals (the Jupyter signal)."""
+        model = self.require_user()
+        key = server_key(user, name)
+        if not self.is_server_token(model, user, name):
+            raise web.HTTPError(
+                403,
+                f"Only {key}'s own server token (its JUPYTERHUB_API_TOKEN) reports its kernels",
+            )
+        try:
+            report = Report.from_body(body, time.time())
+        except ReportError as e:
+            raise web.HTTPError(400, str(e)) from None
+        source = self.gpusnap.jupyter_signal
+        if source is not None:
+            source.record(key, report)
+        status = self.gpusnap.store.get(key)
+        self.write_json(
+            {
+                "server": key,
+                "recorded": source is not None,
+                "state": str(status.state) if status else None,
+            }
+        )
+
+
 class EventsHandler(APIHandler):
     async def get(self):
         model = self.require_user()
         app = self.gpusnap
         key = self.get_argument("server", None)
         try:
-            limit = min(int(self.get_argument("limit", "50")), 500)
+            limit = int(self.get_argument("limit", "50"))
         except ValueError:
-            raise web.HTTPError(400, "'limit' must be an integer") from None
+            limit = 0
+        if not 1 <= limit <= 500:
+            raise web.HTTPError(400, "'limit' must be a whole number from 1 to 500, e.g. ?limit=50")
         if key is None:
             if not self.can_read_all(model):
                 raise web.HTTPError(403, "Listing every server's events needs custom:gpusnap:read; pass ?server=user/name")

@@ -15,16 +15,20 @@ from traitlets.config import LoggingConfigurable
 def service_url_from_env(env: Mapping[str, str], service_name: str = "gpusnap") -> str:
     """The service's base URL (trailing slash) as seen from a single-user server.
 
-    In order: ``GPUSNAP_SERVICE_URL``; the hub's public URL (``JUPYTERHUB_PUBLIC_URL``, set when
-    ``c.JupyterHub.public_url`` is) + ``services/<name>/``; else the host of ``JUPYTERHUB_API_URL``
-    + ``/services/<name>/``, which works where the Hub API is reached through the proxy.
+    In order: ``GPUSNAP_SERVICE_URL``; the host of this server's public URL
+    (``JUPYTERHUB_PUBLIC_URL``, e.g. ``https://hub.example.org/user/alice/``, set when
+    ``c.JupyterHub.public_url`` is) + the Hub's base URL (``JUPYTERHUB_BASE_URL``) +
+    ``services/<name>/``; else the host of ``JUPYTERHUB_API_URL`` + ``/services/<name>/``, which
+    works where the Hub API is reached through the proxy.
     """
     explicit = env.get("GPUSNAP_SERVICE_URL")
     if explicit:
         return explicit if explicit.endswith("/") else explicit + "/"
-    public = env.get("JUPYTERHUB_PUBLIC_URL")
-    if public:
-        return public.rstrip("/") + f"/services/{service_name}/"
+    public = urlparse(env.get("JUPYTERHUB_PUBLIC_URL", ""))
+    if public.scheme and public.netloc:
+        base = env.get("JUPYTERHUB_BASE_URL", "/")
+        base = "/" + base.strip("/") + "/" if base.strip("/") else "/"
+        return f"{public.scheme}://{public.netloc}{base}services/{service_name}/"
     api = urlparse(env.get("JUPYTERHUB_API_URL", "http://127.0.0.1:8081/hub/api"))
     return f"{api.scheme}://{api.netloc}/services/{service_name}/"
 

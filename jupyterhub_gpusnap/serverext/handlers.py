@@ -18,6 +18,10 @@ from tornado.web import authenticated
 from .client import GpuSnapClient, ServiceError
 
 
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number (RFC 8259); send a finite number")
+
+
 class GpuSnapHandler(APIHandler):
     """Base: authenticated as any jupyter-server API call, invisible to activity tracking."""
 
@@ -39,6 +43,8 @@ class GpuSnapHandler(APIHandler):
         the error, so the panel has it even when the service cannot be reached)."""
         try:
             status, data = await self.client.call(method, action, body)
+            if isinstance(data, dict):
+                self.settings["gpusnap_on_status"](data)
         except ServiceError as e:
             self.set_status(e.status)
             error = {"message": e.message, "server": self.client.server_key}
@@ -66,9 +72,9 @@ class GpuSnapHandler(APIHandler):
         if not self.request.body:
             return {}
         try:
-            data = json.loads(self.request.body)
-        except ValueError as e:
-            raise web.HTTPError(400, f"Request body is not JSON: {e}") from None
+            data = json.loads(self.request.body, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as e:
+            raise web.HTTPError(400, f"Request body is not JSON: {str(e)[:200]}") from None
         if not isinstance(data, dict):
             raise web.HTTPError(400, "Request body must be a JSON object")
         return data
@@ -120,10 +126,16 @@ class ServiceHandler(GpuSnapHandler):
         is suspended and these handlers are gone with it: the Lab tab then still reads the
         truth ("suspended at T, your kernels are saved") from the service.
 
-        The token is this server's own (JUPYTERHUB_API_TOKEN). It gives the browser nothing
-        new: every kernel and terminal of this server has it in its environment, and the
-        Lab already runs code in them. JupyterHub keeps it across a suspension (the spawner
-        resumes), and the service accepts it for this user's own servers only.
+        The token is this server's own (JUPYTERHUB_API_TOKEN), and handing it to the browser
+        stays safe with the scopes it carries (hubconfig.server_token_scopes):
+        ``access:servers!server=<this server>`` (this server, which the browser already
+        uses), ``users:activity!user=<owner>`` (post the owner's activity to the Hub) and
+        ``access:services!service=gpusnap``, with which the service lets it act as the
+        owner on the owner's own servers only (status, keep running, suspend, interaction,
+        this server's Jupyter report). Each is something the user can already do, and every
+        kernel and terminal of this server has the token in its environment; the Hub grants
+        a server's token nothing its user lacks. JupyterHub keeps it across a suspension
+        (the spawner resumes), so the tab can still ask the service once the server is gone.
         """
         client = self.client
         if client.server_key is None:

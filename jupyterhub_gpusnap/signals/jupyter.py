@@ -1,10 +1,22 @@
 """Jupyter activity of a server: kernels, busy kernels, terminals, and their last activity.
 
-Read through the JupyterHub proxy, as a browser would, but always with
-``?no_track_activity=1``: a poll without it counts as user activity and would
-keep every server alive forever. ``/api/status``'s ``last_activity`` is not
-used as activity either, since an open JupyterLab tab polls the REST API every
-few seconds and moves it; only kernels and terminals count.
+Pushed (:class:`JupyterSignal`, the default): the gpusnap server extension in each
+single-user server reports its kernels and terminals to ``POST api/servers/{user}/{name}/jupyter``
+with the server's own Hub token, at once when a kernel goes busy or idle (or one starts or
+stops) and every ``GpuSnapReporter.interval`` seconds otherwise
+(``jupyterhub_gpusnap/serverext/report.py``); each report says that interval. The service keeps
+each server's newest report here and reads it every tick, so it needs no key to the servers:
+its token lacks ``access:servers`` and cannot read a user's files or start a kernel
+(docs/security.md). A server that has not reported for :data:`STALE_AFTER` of its intervals
+gives no Jupyter signal, and "no signal" is never "idle".
+
+Polled, where the admin opts in (:class:`JupyterPollSignal` in ``GpuSnap.signal_classes``, and
+the service's role then needs ``access:servers``: ``service_role(..., jupyter_poll=True)``):
+servers with no fresh report are read through the JupyterHub proxy, as a browser would, but always with
+``?no_track_activity=1``: a poll without it counts as user activity and would keep every
+server alive forever. ``/api/status``'s ``last_activity`` is not used as activity either,
+since an open JupyterLab tab polls the REST API every few seconds and moves it; only
+kernels and terminals count.
 """
 
 from __future__ import annotations
@@ -12,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest, HTTPResponse
@@ -22,7 +36,85 @@ from .base import SignalSource
 
 
 class JupyterAccessError(RuntimeError):
-    """The server could not be read with the service's token."""
+    """The server could not be read with the service's token (or has not reported)."""
+
+
+class ReportError(ValueError):
+    """A server's report is malformed; the message says what to send."""
+
+
+#: The most kernels or terminals one report may list.
+MAX_REPORT_ITEMS = 1000
+
+#: A report is believed for this many of the server's report intervals (one lost report is
+#: no gap; a server silent for longer gives no signal).
+STALE_AFTER = 3
+
+#: The report intervals a server may announce (seconds).
+REPORT_INTERVALS = (1.0, 3600.0)
+
+
+@dataclass
+class Report:
+    """One server's kernels and terminals as its extension reported them.
+
+    ``received`` is the service's clock when the report came in; ``kernels`` are
+    ``{"execution_state", "last_activity"}`` and ``terminals`` ``{"last_activity"}``, the
+    fields of ``/api/kernels`` and ``/api/terminals`` the signal uses.
+    """
+
+    received: float
+    kernels: list[dict]
+    terminals: list[dict]
+    interval: float = 60.0  # the server reports again within this many seconds
+
+    @property
+    def fresh_until(self) -> float:
+        return self.received + STALE_AFTER * self.interval
+
+    @classmethod
+    def from_body(cls, body: dict, received: float) -> Report:
+        """A report from the JSON body of ``POST …/jupyter``; ReportError if it is malformed."""
+        out = {}
+        for field in ("kernels", "terminals"):
+            items = body.get(field)
+            if not isinstance(items, list) or len(items) > MAX_REPORT_ITEMS:
+                raise ReportError(
+                    f"'{field}' must be a list of at most {MAX_REPORT_ITEMS} objects, as in "
+                    f"/api/{field}, e.g. {{\"kernels\": [{{\"execution_state\": \"idle\", "
+                    f"\"last_activity\": \"2026-11-22T18:00:00Z\"}}], \"terminals\": []}}"
+                )
+            clean = []
+            for item in items:
+                if not isinstance(item, dict):
+                    raise ReportError(f"each of '{field}' must be an object")
+                stamp = item.get("last_activity")
+                if stamp is not None:
+                    try:
+                        if not isinstance(stamp, str):
+                            raise ValueError
+                        parse_iso8601(stamp)
+                    except (ValueError, OverflowError):
+                        raise ReportError(
+                            f"'last_activity' of {field} must be an ISO 8601 time, got {str(stamp)[:40]!r}"
+                        ) from None
+                entry = {"last_activity": stamp}
+                if field == "kernels":
+                    state = item.get("execution_state")
+                    if state is not None and not isinstance(state, str):
+                        raise ReportError("'execution_state' must be a string such as \"idle\" or \"busy\"")
+                    entry["execution_state"] = state
+                clean.append(entry)
+            out[field] = clean
+        interval = body.get("interval", 60.0)
+        low, high = REPORT_INTERVALS
+        if (isinstance(interval, bool) or not isinstance(interval, (int, float))
+                or not low <= interval <= high):
+            raise ReportError(
+                f"'interval' must be the seconds until the next report, from {low:g} to {high:g}"
+            )
+        return cls(received=received, kernels=out["kernels"], terminals=out["terminals"],
+                   interval=float(interval))
 
 
 def parse_iso8601(value: str | None) -> float | None:
@@ -42,9 +134,63 @@ def parse_iso8601(value: str | None) -> float | None:
 
 
 class JupyterSignal(SignalSource):
-    """Kernels, busy kernels and terminals of a single-user server, read through the proxy."""
+    """Kernels, busy kernels and terminals of a single-user server: its reports, or a poll."""
 
     name = "jupyter"
+
+    #: Whether servers with no fresh report are read through the proxy (JupyterPollSignal).
+    poll = False
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.reports: dict[str, Report] = {}
+
+    def record(self, key: str, report: Report) -> None:
+        """Keep ``report`` as server ``key``'s newest (the API calls this for a server's own token)."""
+        self.reports[key] = report
+
+    def forget(self, key: str) -> None:
+        self.reports.pop(key, None)
+
+    def carry_over(self, key: str, sample: dict | None) -> None:
+        """Take server ``key``'s Jupyter reading from before a service restart (the stored
+        sample) as a report received when it was taken, unless a newer report came in: a
+        restart then neither restarts idle clocks nor calls anyone idle while the servers
+        report again (each does within its interval)."""
+        if not sample or sample.get("kernels") is None or sample.get("time") is None:
+            return
+        if key in self.reports:
+            return
+        stamp = sample.get("jupyter_last_activity")
+        iso = (datetime.fromtimestamp(stamp, timezone.utc).isoformat().replace("+00:00", "Z")
+               if stamp is not None else None)
+        busy = int(sample.get("kernels_busy") or 0)
+        kernels = [{"execution_state": "busy" if i < busy else "idle", "last_activity": iso}
+                   for i in range(int(sample["kernels"]))]
+        terminals = [{"last_activity": iso} for _ in range(int(sample.get("terminals") or 0))]
+        self.reports[key] = Report(received=float(sample["time"]), kernels=kernels, terminals=terminals)
+
+    async def prefetch(self, servers: list[Server]) -> None:
+        """Drop the reports of servers no longer running (called once per tick)."""
+        running = {s.key for s in servers}
+        for key in [k for k in self.reports if k not in running]:
+            del self.reports[key]
+
+    def from_report(self, report: Report, now: float) -> Sample:
+        """The sample a report gives at ``now``."""
+        return self.summarise(report.kernels, report.terminals, now)
+
+    def summarise(self, kernels: list[dict], terminals: list[dict], now: float) -> Sample:
+        busy = sum(1 for k in kernels if self.is_busy(k, now))
+        stamps = [parse_iso8601(item.get("last_activity")) for item in [*kernels, *terminals]]
+        stamps = [s for s in stamps if s is not None]
+        return Sample(
+            time=now,
+            kernels=len(kernels),
+            kernels_busy=busy,
+            terminals=len(terminals),
+            jupyter_last_activity=max(stamps) if stamps else None,
+        )
 
     proxy_url = Unicode(
         "http://127.0.0.1:8000",
@@ -57,9 +203,9 @@ class JupyterSignal(SignalSource):
     api_token = Unicode(
         "",
         help="""Token sent as ``Authorization: token …`` to every single-user server.
-        Defaults to ``$JUPYTERHUB_API_TOKEN``, the service's own token when the Hub manages it;
-        its role needs the ``access:servers`` scope, otherwise the proxy answers every
-        request with a redirect to the login page.""",
+        Used only with ``poll`` on. Defaults to ``$JUPYTERHUB_API_TOKEN``, the service's own
+        token when the Hub manages it; its role then needs the ``access:servers`` scope,
+        otherwise the proxy answers every request with a redirect to the login page.""",
     ).tag(config=True)
 
     @default("api_token")
@@ -153,6 +299,26 @@ class JupyterSignal(SignalSource):
             raise JupyterAccessError(f"{url}: answer is not JSON ({e})") from None
 
     async def read(self, server: Server, now: float) -> Sample:
+        report = self.reports.get(server.key)
+        clock = time.time()
+        if report is not None and clock <= report.fresh_until:
+            return self.from_report(report, now)
+        if self.poll:
+            return await self.read_by_poll(server, now)
+        if report is None:
+            raise JupyterAccessError(
+                f"{server.key} has not reported its kernels: enable the gpusnap server extension in "
+                "its image (jupyter server extension enable jupyterhub_gpusnap.serverext), give server "
+                "tokens access to the service (hubconfig.server_token_scopes), or poll servers "
+                "(JupyterPollSignal in GpuSnap.signal_classes)"
+            )
+        raise JupyterAccessError(
+            f"{server.key} last reported its kernels {clock - report.received:.0f}s ago, more than "
+            f"{STALE_AFTER} of its {report.interval:g}s intervals; its server log says why (gpusnap: …)"
+        )
+
+    async def read_by_poll(self, server: Server, now: float) -> Sample:
+        """Read ``server``'s kernels and terminals through the proxy (``poll`` on)."""
         status, kernels, terminals = await asyncio.gather(
             self._get(server, "api/status"),
             self._get(server, "api/kernels"),
@@ -163,13 +329,17 @@ class JupyterSignal(SignalSource):
         if not isinstance(kernels, list):
             raise JupyterAccessError(f"{server.key}: /api/kernels is not a JSON list")
         terminals = terminals if isinstance(terminals, list) else []
-        busy = sum(1 for k in kernels if self.is_busy(k, now))
-        stamps = [parse_iso8601(item.get("last_activity")) for item in [*kernels, *terminals]]
-        stamps = [s for s in stamps if s is not None]
-        return Sample(
-            time=now,
-            kernels=len(kernels),
-            kernels_busy=busy,
-            terminals=len(terminals),
-            jupyter_last_activity=max(stamps) if stamps else None,
-        )
+        return self.summarise(kernels, terminals, now)
+
+
+class JupyterPollSignal(JupyterSignal):
+    """:class:`JupyterSignal` that also polls servers which do not report, through the proxy.
+
+    An admin's opt-in for servers whose image lacks jupyterhub-gpusnap's server extension:
+    list it in ``GpuSnap.signal_classes`` instead of JupyterSignal, and give the service's role
+    ``access:servers`` (``service_role("gpusnap", jupyter_poll=True)``). The trade-off: with
+    that scope a leaked service token reads every running server's files and runs code in it
+    (docs/security.md). Servers that do report are still read from their reports.
+    """
+
+    poll = True
