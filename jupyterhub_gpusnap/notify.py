@@ -786,6 +786,7 @@ class Notifier(LoggingConfigurable):
         event_ref: str,
         auth_state: dict | None = None,
         opted_out: bool = False,
+        claimed: asyncio.Future | None = None,
     ) -> bool:
         """Email ``user`` about an event of their server, at most once per ``event_ref``.
 
@@ -804,6 +805,11 @@ class Notifier(LoggingConfigurable):
             The user's auth_state from the Hub API, for ``address_from="auth_state"``.
         opted_out
             The user's own choice; honoured when `allow_opt_out` is True.
+        claimed
+            Set to True once this call has claimed the event in ``sent_log`` (before
+            sending), or to False once it knows it will not send: a caller can record what
+            follows the email only after the claim, so that a crash in between sends no
+            second message.
 
         Returns True when the message was sent by this call; False when it was not needed
         (duplicate, opted out, ``restored`` turned off), impossible (no address, broken
@@ -811,10 +817,15 @@ class Notifier(LoggingConfigurable):
         """
         server = context.get("server") or server_key(user)
         try:
-            return await self._notify(kind, user, server, context, event_ref, auth_state, opted_out)
+            return await self._notify(
+                kind, user, server, context, event_ref, auth_state, opted_out, claimed
+            )
         except Exception:
             self.log.exception("Email %s for %s (event %s) failed", kind, server, event_ref)
             return False
+        finally:
+            if claimed is not None and not claimed.done():
+                claimed.set_result(False)
 
     async def _notify(
         self,
@@ -825,6 +836,7 @@ class Notifier(LoggingConfigurable):
         event_ref: str,
         auth_state: dict | None,
         opted_out: bool,
+        claimed: asyncio.Future | None = None,
     ) -> bool:
         if kind not in USER_KINDS:
             self.log.error("Unknown email kind %r for %s; one of %s", kind, server, USER_KINDS)
@@ -840,7 +852,7 @@ class Notifier(LoggingConfigurable):
             return False
         self._no_address_logged.discard(user)
         ctx = {"username": user, "server": server, **context}
-        return await self._deliver(kind, server, [address], ctx, event_ref, user)
+        return await self._deliver(kind, server, [address], ctx, event_ref, user, claimed)
 
     async def _deliver(
         self,
@@ -850,6 +862,7 @@ class Notifier(LoggingConfigurable):
         context: dict,
         event_ref: str,
         user: str | None = None,
+        claimed: asyncio.Future | None = None,
     ) -> bool:
         """Render, claim the event in ``sent_log``, then send: exactly-once at most."""
         label = f"{kind} for {key} (event {event_ref})"
@@ -870,6 +883,8 @@ class Notifier(LoggingConfigurable):
         if not await _maybe_await(self.sent_log.record_notification(key, kind, event_ref)):
             self.log.debug("Email %s claimed by another sender", label)
             return False
+        if claimed is not None and not claimed.done():
+            claimed.set_result(True)
         ok = await self.mailer.send(to, subject, text, html, label=label)
         if user is not None:
             if ok:
@@ -1083,12 +1098,18 @@ class ServiceNotifier(Notifier):
         return model.get("auth_state") if isinstance(model, dict) else None
 
     async def notify_event(
-        self, kind: str, status: Any, event_ref: str, detail: dict | None = None
+        self,
+        kind: str,
+        status: Any,
+        event_ref: str,
+        detail: dict | None = None,
+        claimed: asyncio.Future | None = None,
     ) -> asyncio.Task:
         """Schedule the ``kind`` email for a server's event; returns the background task.
 
         ``detail["opted_out"]`` carries the user's opt-out choice where the service keeps one.
         The task's result is :meth:`notify`'s; :meth:`drain` waits for pending ones.
+        ``claimed``: see :meth:`notify`.
         """
         detail = dict(detail or {})
         context = self.context_for(kind, status, detail)
@@ -1098,7 +1119,9 @@ class ServiceNotifier(Notifier):
             auth_state = None
             if self.address_from != "template":
                 auth_state = await self._auth_state(status.user)
-            return await self.notify(kind, status.user, context, event_ref, auth_state, opted_out)
+            return await self.notify(
+                kind, status.user, context, event_ref, auth_state, opted_out, claimed
+            )
 
         return self._spawn(run())
 

@@ -77,6 +77,16 @@ class Watcher(LoggingConfigurable):
         help="Seconds one suspension may take before it is given up (the server keeps running).",
     ).tag(config=True)
 
+    claim_timeout = Float(
+        30,
+        min=0,
+        help="""Seconds a finished suspension waits for its "suspended" email to be claimed
+        in the service's database (address looked up, the claim written; not the sending,
+        which runs in the background) before it records the server suspended. The claim
+        first is what keeps a crash in between from mailing the user twice; a slow
+        auth_state lookup past this time only narrows that guarantee.""",
+    ).tag(config=True)
+
     min_free_gpu_memory = Integer(
         0,
         min=0,
@@ -245,7 +255,7 @@ class Watcher(LoggingConfigurable):
     async def apply(self, servers: list[Server], samples: dict[str, Sample], now: float) -> None:
         """Apply the policy to each server's fresh sample; store, export and act on the decisions."""
         statuses: dict[str, ServerStatus] = {}
-        returned = []
+        returned, interrupted = [], []
         keys = [s.key for s in servers]
         for key, server in zip(keys, servers, strict=True):
             if key in self._inflight:
@@ -254,16 +264,18 @@ class Watcher(LoggingConfigurable):
             if status is None:
                 status = self.new_status(server, now)
             elif status.state == State.suspending:
-                # not in flight: a service restart interrupted it; the backend's recovery at start-up
-                # resumed the server (it is running), so it is simply active again
-                self.log.warning("%s: suspension was interrupted by a service restart; server is running", key)
-                self.store.record_event(key, "suspend_interrupted", {})
-                status.state, status.state_since, status.last_active = State.active, now, now
+                interrupted.append((status, server))  # not in flight: a crash interrupted it
+                continue
             elif status.state in OFFLINE:
-                returned.append(self._returned(status, server, now))
+                returned.append((status, server))
+                continue
             statuses[key] = status
-        if returned:
-            await asyncio.gather(*returned)
+        back = await asyncio.gather(*(self._returned(st, srv, now) for st, srv in returned))
+        running = [o == "running" for o in await asyncio.gather(
+            *(self._interrupted(st, srv, now) for st, srv in interrupted))]  # fmt: skip
+        for (status, _), came_back in zip(returned + interrupted, back + running, strict=True):
+            if came_back:  # else: still suspended (the Hub has not seen its end yet), or finishing
+                statuses[status.key] = status
         actions = []
         for key, server in zip(keys, servers, strict=True):
             status = statuses.get(key)
@@ -322,8 +334,13 @@ class Watcher(LoggingConfigurable):
             child = children[(metric, labels)] = metric.labels(key, *labels)
         return child
 
-    async def _returned(self, status: ServerStatus, server: Server, now: float) -> None:
-        """A suspended server is running again: it was restored, or started fresh after a failed restore."""
+    async def _returned(self, status: ServerStatus, server: Server, now: float) -> bool:
+        """A suspended server is running again: it was restored, or started fresh after a failed restore.
+
+        False (nothing changed) when the Hub still lists the very run that was checkpointed:
+        it started before its checkpoint was taken, and the Hub has not noticed its end yet
+        (its stop call failed, or the service finished the suspension after a crash).
+        """
         info, gone = None, False
         if self.backend is not None and status.checkpoint_id:
             try:
@@ -331,6 +348,8 @@ class Watcher(LoggingConfigurable):
                 gone = info is None
             except Exception as e:
                 self.log.warning("%s: could not read checkpoint %s: %s", status.key, status.checkpoint_id, e)
+        if info is not None and server.started is not None and server.started.timestamp() < info.created:
+            return False
         # a checkpoint that is gone (e.g. its manifest was deleted) was not restored: the
         # spawner started a fresh server
         restored = not gone and (info is None or info.status != "failed")
@@ -357,6 +376,52 @@ class Watcher(LoggingConfigurable):
         if not restored:
             status.failure = info.error if info else detail["error"]
         await self._notify("restored" if restored else "restore_failed", status, str(event), detail)
+        return True
+
+    async def _interrupted(self, status: ServerStatus, server: Server | None, now: float) -> str:
+        """A suspension a crash of the service interrupted (``suspending``, none under way):
+        settle it by the outcome the backend's recovery at start-up decided.
+
+        - The backend holds a verified checkpoint of this suspension (``completed at
+          recovery``: the image was complete and the processes ended): the suspension is
+          finished as if the service had never stopped (:meth:`_finish_suspension`, in the
+          background): stopped in the Hub, recorded ``suspended``, the user emailed once.
+        - Otherwise it failed: its processes were resumed (the server is ``active`` again)
+          or, with no server running any more, its record is dropped. Logged, counted
+          (``gpusnap_failures_total{kind="suspend"}``) and recorded as an event.
+
+        Keep-running and exemption stay as stored. Returns "finishing", "running" (this
+        tick applies the policy to it), "failed" (no server left: forget it) or "unknown"
+        (the backend could not be read: look again next tick).
+        """
+        key = status.key
+        info = None
+        if self.backend is not None:
+            try:
+                info = await self.backend.latest(status.user, status.name)
+            except Exception as e:
+                self.log.warning("%s: cannot read the checkpoint of the interrupted suspension: %s", key, e)
+                return "unknown"  # look again next tick; nothing is lost meanwhile
+        if info is not None and info.created >= status.state_since - 1:
+            self.log.warning("%s: suspension interrupted by a service restart; its checkpoint %s is "
+                             "verified: finishing it", key, info.id)  # fmt: skip
+            task = asyncio.ensure_future(self._finish_suspension(status, info, status.reason or "idle", recovered=True))
+            self._inflight[key] = task
+            task.add_done_callback(lambda _: self._inflight.pop(key, None))
+            return "finishing"
+        metrics.ACTIONS.labels(action="suspend", result="failed").inc()
+        metrics.FAILURES.labels(kind="suspend").inc()
+        why = "the service stopped while this server was being checkpointed; the checkpoint failed"
+        self.store.record_event(key, "suspend_interrupted", {"error": why})
+        if server is None:
+            self.log.error("%s: suspension interrupted by a service restart; no checkpoint and no server "
+                           "running: forgetting it", key)  # fmt: skip
+            return "failed"
+        self.log.error("%s: suspension interrupted by a service restart; the checkpoint failed and the "
+                       "server runs on", key)  # fmt: skip
+        status.state, status.state_since, status.last_active = State.active, now, now
+        status.reason = "suspension interrupted by a service restart"
+        return "running"
 
     async def _reconcile_gone(self, running: dict[str, Server], now: float) -> None:
         """Forget servers the user stopped; keep suspended ones (their checkpoint is their state)."""
@@ -368,12 +433,9 @@ class Watcher(LoggingConfigurable):
                 continue
             if status.state == State.suspending:
                 # the service died mid-suspension: the backend's recovery decided the outcome
-                latest = await self.backend.latest(status.user, status.name) if self.backend else None
-                if latest is not None and latest.created >= status.state_since - 1:
-                    status.state, status.checkpoint_id = State.suspended, latest.id
-                    self.store.put(status)
-                    continue
-            if status.state in OFFLINE:
+                if await self._interrupted(status, None, now) != "failed":
+                    continue  # being finished (stopped, recorded suspended, emailed), or unreadable now
+            elif status.state in OFFLINE:
                 continue
             self.store.delete(status.key)
             metrics.forget_server(status.key)
@@ -450,20 +512,40 @@ class Watcher(LoggingConfigurable):
                 self._fail(status, "suspend_failed", why)
                 return
             metrics.ACTION_SECONDS.labels(action="suspend").observe(time.perf_counter() - t0)
-            # The checkpoint is verified and the processes are gone: now stop it in the Hub.
-            status.checkpoint_id = info.id
-            try:
-                await self.hub.stop_server(server.user, server.name)
-            except HubError as e:
-                # The spawner's poll finds the process gone and stops it with will_resume; not lost.
-                metrics.FAILURES.labels(kind="hub").inc()
-                self.log.warning("%s: checkpoint verified but the Hub stop failed (%s); the Hub's poll will stop it", key, e)
-            detail = info.as_dict()
-            self._set_state(status, State.suspended, reason, event=("suspend", detail))
-            metrics.ACTIONS.labels(action="suspend", result="ok").inc()
-            self.log.info("%s: suspended to checkpoint %s (%d bytes)", key, info.id, info.image_bytes)
-            event = self.store.events(key, limit=1)[0]["id"]
-            await self._notify("suspended", status, str(event), detail)
+            await self._finish_suspension(status, info, reason)
+
+    async def _finish_suspension(self, status: ServerStatus, info, reason: str, recovered: bool = False) -> None:
+        """The checkpoint is verified and the processes are gone: stop the server in the Hub,
+        claim the user's "suspended" email, then record the server ``suspended``.
+
+        The email is claimed (in the store, by checkpoint id) before the state is recorded:
+        a crash between the two leaves the row ``suspending``, the next start finishes the
+        suspension again (``recovered``) and finds the email claimed, so the user never gets
+        two; a crash after the claim and before the SMTP server took it loses that one email.
+        """
+        key = status.key
+        status.checkpoint_id = info.id
+        try:
+            if not recovered or await self._hub_runs(status):
+                await self.hub.stop_server(status.user, status.name)
+        except (HubError, OSError) as e:
+            # The spawner's poll finds the process gone and stops it with will_resume; not lost.
+            metrics.FAILURES.labels(kind="hub").inc()
+            self.log.warning("%s: checkpoint verified but the Hub stop failed (%s); the Hub's poll will stop it", key, e)
+        detail = info.as_dict()
+        if recovered:
+            detail["recovered"] = True
+        await self._notify("suspended", status, info.id, detail, wait_claim=True)
+        self._set_state(status, State.suspended, reason, event=("suspend", detail))
+        metrics.ACTIONS.labels(action="suspend", result="ok").inc()
+        self.log.info("%s: suspended to checkpoint %s (%d bytes)%s", key, info.id, info.image_bytes,
+                      " at recovery" if recovered else "")  # fmt: skip
+
+    async def _hub_runs(self, status: ServerStatus) -> bool:
+        """Whether the Hub still lists the server as running or starting."""
+        model = await self.hub.get_user(status.user)
+        s = (model.get("servers") or {}).get(status.name)
+        return bool(s and (s.get("ready") or s.get("pending")))
 
     async def _plain_stop(self, server: Server, status: ServerStatus, reason: str) -> None:
         try:
@@ -721,11 +803,17 @@ class Watcher(LoggingConfigurable):
         status.failures = (status.failures or 0) + 1
         self._set_state(status, State.failed, why, event=(kind, {"error": why}))
 
-    async def _notify(self, kind: str, status: ServerStatus, event_ref: str, detail: dict) -> None:
+    async def _notify(self, kind: str, status: ServerStatus, event_ref: str, detail: dict,
+                      wait_claim: bool = False) -> None:  # fmt: skip
+        """Send ``kind`` email in the background; with ``wait_claim``, return once it is
+        claimed in the store (or known not to be sent), at most ``claim_timeout`` s later."""
         if self.notifier is None:
             return
+        claimed = asyncio.get_running_loop().create_future() if wait_claim else None
         try:
-            await self.notifier.notify_event(kind, status, event_ref, detail)
+            task = await self.notifier.notify_event(kind, status, event_ref, detail, claimed=claimed)
+            if claimed is not None:
+                await asyncio.wait({claimed, task}, timeout=self.claim_timeout, return_when=asyncio.FIRST_COMPLETED)
         except Exception as e:  # email never blocks or undoes a checkpoint
             metrics.FAILURES.labels(kind="email").inc()
             self.log.error("%s: %s email failed: %s", status.key, kind, e)

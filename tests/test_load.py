@@ -228,6 +228,12 @@ async def test_500_idle_servers_are_suspended_in_bounded_oldest_first_order(popu
         assert backend.max_running == CONCURRENCY
         assert watcher.store.counts_by_state().get("suspended") == N
         assert await population.ready_count() == 0  # all stopped through the Hub API
+        # nothing lost: each server's record names the verified checkpoint its suspension made
+        for status in watcher.store.all():
+            info = backend.infos.get(status.checkpoint_id)
+            assert info is not None and info.key == status.key and info.status == "verified", status
+        suspends = [e for e in watcher.store.events(None, limit=10 * N) if e["kind"] == "suspend"]
+        assert Counter(e["key"] for e in suspends) == Counter(keys)
         # oldest idle first
         assert backend.started == oldest_first
     finally:
