@@ -151,6 +151,7 @@ async def test_a_push_failing_every_time_gives_up_and_leaves_the_archive(tmp_pat
     assert err.code == 502
     assert "pushing the checkpoint failed" in err.message and "502" in err.message
     assert "gave up after 4 tries in a row" in err.message
+    assert err.fix == "check the registry's log"
     assert proxy.faults[0].hits == 4  # bounded
     # between tries the registry was asked where the upload stood
     assert proxy.count("GET", UPLOADS) == 3

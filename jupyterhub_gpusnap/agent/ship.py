@@ -132,6 +132,11 @@ class Shipper(LoggingConfigurable):
 
         ``gpu``: what the checkpoint's GPU memory needs, written as manifest annotations
         (:mod:`~jupyterhub_gpusnap.checkpoint.gpucompat`) that :meth:`gpu_needs` reads back.
+
+        Requests that fail for a moment are tried again and a failed chunk resumes where the
+        registry is (:class:`~jupyterhub_gpusnap.checkpoint.oci.RegistryClient`, ``Backoff``);
+        a push that fails for good raises a 502 AgentError with the registry's error and fix,
+        and leaves ``archive`` as it was: deleting it is the caller's decision.
         """
         try:
             ref = oci.ImageRef.parse(repository)

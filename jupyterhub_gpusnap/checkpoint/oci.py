@@ -528,9 +528,11 @@ class RegistryClient(LoggingConfigurable):
                 except RegistryError as e:
                     failures += 1
                     if e.code not in TRANSIENT or failures >= self.backoff.attempts:
-                        if failures > 1:
+                        if failures > 1:  # the fix stays last, after "; "
+                            head, sep, fix = str(e).rpartition("; ")
+                            tries = f" (gave up after {failures} tries in a row)"
                             raise RegistryError(
-                                f"{e} (gave up after {failures} tries in a row)", e.code
+                                f"{head}{tries}{sep}{fix}" if sep else f"{e}{tries}", e.code
                             ) from e
                         raise
                     wait = self.backoff.delay(failures)
