@@ -71,14 +71,14 @@ class FilesImage:
     def names(self) -> list[str]:
         return sorted(self.files)
 
+    def size(self, name: str) -> int:
+        return self.sizes.get(name, 0)
+
     def stage_small(self, dest: Path, pool: Executor) -> list[str]:
         small = [n for n in self.names() if not is_pages_file(n)]
         for name in small:
             shutil.copyfile(self.folder / name, dest / name)
             os.chmod(dest / name, 0o600)
-        for name in self.names():  # present, with its size, for verify_image's inventory
-            if is_pages_file(name):
-                _sparse(dest / name, self.sizes.get(name, 0))
         return verify_image(dest, self.files, chunk_bytes=self.chunk_bytes, sizes=self.sizes,
                             names=small, pool=pool)  # fmt: skip
 
@@ -98,6 +98,9 @@ class ChunksImage:
 
     def names(self) -> list[str]:
         return sorted(self.chunks)
+
+    def size(self, name: str) -> int:
+        return self.sizes.get(name, sum(int(n) for _, n in self.chunks[name]))
 
     def stage_small(self, dest: Path, pool: Executor) -> list[str]:
         small = {n: refs for n, refs in self.chunks.items() if not is_pages_file(n)}
@@ -119,6 +122,9 @@ def stage(image: FilesImage | ChunksImage, dest: Path, pool: Executor):
     """Write what ``criu restore --lazy-pages`` reads itself into ``dest``, all of it
     checked; return (pagemaps, {pages file: source}). Raises CheckpointError naming what
     is damaged or missing. Blocking."""
+    for name in image.names():  # filled with the eager pages below
+        if is_pages_file(name):
+            _sparse(dest / name, image.size(name))
     problems = image.stage_small(dest, pool)
     if problems:
         raise CheckpointError("image is damaged: " + "; ".join(problems[:5]))

@@ -1,0 +1,384 @@
+"""Lazy restore (checkpoint/lazy.py): the tree first, its memory on demand, every page checked.
+
+Real CRIU (``criu restore --lazy-pages`` + ``criu lazy-pages`` fed by our page server) on
+real processes checkpointed by ``LocalBackend`` as for any server: a Python process holding
+200 MB (random bytes, and a compressible part that the chunk store compresses) and a
+listening socket. It answers before its memory is back, and its own sha256 of that memory
+matches the one it took before the dump. A damaged page (in a pages file, or in a chunk)
+or a daemon that dies never leaves a process running with wrong memory: the tree is
+killed and ``CheckpointError`` names the block, chunk or daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from jupyterhub_gpusnap import sandbox
+from jupyterhub_gpusnap.checkpoint import CheckpointError, lazy
+from jupyterhub_gpusnap.checkpoint.chunks import STORE
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend, is_alive
+from jupyterhub_gpusnap.checkpoint.manifest import Manifest, is_pages_file
+from jupyterhub_gpusnap.checkpoint.page_sums import sums_name, write_sums
+from jupyterhub_gpusnap.checkpoint.pagemap import read_pagemaps
+from jupyterhub_gpusnap.model import Server
+from jupyterhub_gpusnap.procs import tree_pids
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from realhub import free_port  # noqa: E402
+
+pytestmark = pytest.mark.criu
+
+#: ``HOLDER PORT [ignored]``: 160 MB of random bytes and 40 MB that compress, then a
+#: listener. ``get`` answers without touching that memory (and says where it is); ``hash``
+#: hashes all of it; ``peek N`` answers 16 bytes from offset N.
+HOLDER = r"""
+import hashlib, json, os, socket, sys
+port = int(sys.argv[1])
+data = os.urandom(160 << 20) + bytes(range(256)) * (160 << 10)
+digest = hashlib.sha256(data).hexdigest()
+where = {"addr": id(data) + 32, "size": len(data)}  # a bytes object's data follows its header
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", port))
+s.listen(8)
+print("ready", flush=True)
+while True:
+    c, _ = s.accept()
+    cmd = c.recv(100).decode().split()
+    reply = dict(where, pid=os.getpid(), uid=os.getuid(), digest=digest)
+    if cmd[0] == "hash":
+        reply["now"] = hashlib.sha256(data).hexdigest()
+    elif cmd[0] == "peek":
+        reply["peek"] = data[int(cmd[1]) : int(cmd[1]) + 16].hex()
+    c.sendall(json.dumps(reply).encode())
+    c.close()
+"""
+
+
+#: The holder with all its memory locked (``mlockall``: CRIU restores locked memory
+#: eagerly) but its buffer: after a restore, only the buffer is left to the page server.
+LOCKED_HOLDER = HOLDER.replace(
+    "digest = hashlib",
+    """import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+assert libc.mlockall(3) == 0, ctypes.get_errno()  # MCL_CURRENT | MCL_FUTURE
+start = -(-(id(data) + 32) // 4096) * 4096
+end = (id(data) + 32 + len(data)) // 4096 * 4096
+assert libc.munlock(ctypes.c_void_p(start), ctypes.c_size_t(end - start)) == 0, ctypes.get_errno()
+digest = hashlib""",
+)
+
+
+async def ask(port: int, cmd: str = "get", timeout: float = 60) -> dict:
+    async def go():
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(cmd.encode())
+        await w.drain()
+        data = await r.read()
+        w.close()
+        return json.loads(data)
+
+    return await asyncio.wait_for(go(), timeout)
+
+
+@pytest.fixture
+def staging(request):
+    """A short, root-only folder for CRIU's lazy-pages socket; removed at teardown."""
+    path = Path(tempfile.mkdtemp(prefix="gpusnap-lazy-"))
+    yield path
+    subprocess.run(["rm", "-rf", str(path)], check=False)
+
+
+@pytest.fixture
+def pool():
+    from concurrent.futures import ThreadPoolExecutor
+
+    p = ThreadPoolExecutor(max_workers=4)
+    yield p
+    p.shutdown()
+
+
+def make_backend(tmp_path: Path, storage: str) -> LocalBackend:
+    return LocalBackend(checkpoint_dir=str(tmp_path / "ckpt"), min_free_bytes=0, storage=storage)
+
+
+async def suspended(tmp_path, process_tree, storage: str, program: str = HOLDER):
+    """A holder checkpointed by LocalBackend (its tree killed): (backend, tree, manifest,
+    folder, what it answered before)."""
+    backend = make_backend(tmp_path, storage)
+    tree = process_tree(pidns=True, program=program)
+    await tree.wait_ready()
+    before = await ask(tree.port, "hash")
+    assert before["now"] == before["digest"]
+    info = await backend.checkpoint(Server(user="alice", name="", state={"pid": tree.pid}))
+    tree.proc.wait()
+    folder = backend.folder(info.id)
+    return backend, tree, Manifest.load(folder), folder, before
+
+
+def image_of(backend: LocalBackend, m: Manifest, folder: Path, pool):
+    """The lazy image of a checkpoint; for files, with the page sums written as proposed
+    for LocalBackend (after the checkpoint is verified, bound to its checksums)."""
+    if m.storage == "chunks":
+        return lazy.ChunksImage(backend.chunk_store(), m.key_id, m.chunks, m.sizes)
+    pages = [n for n in m.files if is_pages_file(n)]
+    assert write_sums(folder, pages, pool, expected=m.files, chunk_bytes=m.chunk_bytes) == []
+    return lazy.FilesImage(folder, m.files, m.sizes, m.chunk_bytes)
+
+
+async def restore_lazily(image, staging: Path, m: Manifest, pool) -> lazy.LazyRestore:
+    return await lazy.restore(
+        image, staging, staging / "restore.pid", pool=pool, tcp=m.tcp_mode,
+        shell_job=m.shell_job,
+        extra=sandbox.restore_args(bool(m.extra.get("mount_namespace"))),
+    )  # fmt: skip
+
+
+def lazy_offset(staging: Path, before: dict) -> tuple[str, int]:
+    """(pages file, offset) of the page in the middle of the holder's buffer."""
+    pm = next(pm for pm in read_pagemaps(staging) if pm.pid == before["pid"])
+    vaddr = (before["addr"] + before["size"] // 2) // 4096 * 4096
+    run = next(r for r in pm.runs if r.vaddr <= vaddr < r.end)
+    assert run.lazy, "the holder's buffer is left to the page server"
+    ((offset, _),) = pm.locate(vaddr, 1)
+    return pm.pages_file, offset + 123
+
+
+def chunk_at(m: Manifest, name: str, offset: int) -> str:
+    pos = 0
+    for cid, n in m.chunks[name]:
+        if pos <= offset < pos + n:
+            return cid
+        pos += n
+    raise AssertionError(f"no chunk of {name} holds {offset}")
+
+
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def assert_gone(pids: list[int]) -> None:
+    alive = [p for p in pids if is_alive(p)]
+    assert not alive, f"restored processes still running: {alive}"
+
+
+# ---------------------------------------------------------------------- restored intact
+
+
+@pytest.mark.parametrize("storage", ["files", "chunks"])
+async def test_the_tree_answers_before_its_memory_is_back_and_the_memory_is_intact(
+    tmp_path, process_tree, staging, pool, storage
+):
+    backend, tree, m, folder, before = await suspended(tmp_path, process_tree, storage)
+    image = image_of(backend, m, folder, pool)
+    lr = await restore_lazily(image, staging, m, pool)
+    tree.pid = lr.pid  # teardown kills it
+    assert lr.lazy_bytes >= 190 << 20, "the holder's memory is left to the page server"
+    first = await ask(tree.port, "get")
+    # it answered while most of its memory was still in the image
+    assert first["digest"] == before["digest"] and first["pid"] == before["pid"]
+    assert lr.server.bytes < lr.lazy_bytes and not lr.done.done()
+    after = await ask(tree.port, "hash")
+    assert after["now"] == before["digest"], "the memory that came back is not the memory dumped"
+    stats = await lr.done
+    assert stats["served_bytes"] == lr.lazy_bytes and lr.daemon.returncode == 0
+    assert stats["fault_requests"] > 0 and stats["requests"] > stats["fault_requests"]
+    # nothing of the image was unpacked or copied but what CRIU restores eagerly
+    staged = sum(p.stat().st_blocks * 512 for p in staging.glob("pages-*.img"))
+    assert staged < 16 << 20, f"{staged} bytes of pages staged"
+    if storage == "chunks":
+        assert not list(folder.glob("pages-*.img")), "a chunk-stored checkpoint has no raw pages"
+    # the restored server goes on: memory in, daemon gone, still the same memory
+    assert (await ask(tree.port, "hash"))["now"] == before["digest"]
+    assert is_alive(lr.pid)
+
+
+# ---------------------------------------------------------------------- damage
+
+
+@pytest.mark.parametrize("storage", ["files", "chunks"])
+async def test_a_damaged_lazy_page_kills_the_tree_and_names_it(
+    tmp_path, process_tree, staging, pool, storage
+):
+    backend, tree, m, folder, before = await suspended(tmp_path, process_tree, storage)
+    image = image_of(backend, m, folder, pool)
+    # where a lazy page lives: read from the pagemaps (staged in a scratch folder)
+    scratch = Path(tempfile.mkdtemp(prefix="gpusnap-pm-"))
+    try:
+        await asyncio.to_thread(lazy.stage, image, scratch, pool)
+        name, offset = lazy_offset(scratch, before)
+    finally:
+        subprocess.run(["rm", "-rf", str(scratch)], check=False)
+    if storage == "files":
+        flip(folder / name, offset)
+        named = rf"{name}: the 64 KiB block at offset {offset // 65536 * 65536}"
+    else:
+        cid = chunk_at(m, name, offset)
+        blob = backend.root / STORE / m.key_id / cid[:2] / cid
+        data = bytearray(blob.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        blob.write_bytes(bytes(data))
+        named = rf"{name}: chunk {cid[:12]}"
+    error = None
+    pids: list[int] = []
+    try:
+        lr = await restore_lazily(image, staging, m, pool)
+        tree.pid = lr.pid
+        pids = tree_pids(lr.pid)
+        # the holder hashes its memory: it reaches the damaged page and must never answer
+        with pytest.raises((OSError, asyncio.IncompleteReadError, json.JSONDecodeError)):
+            got = await ask(tree.port, "hash")
+            raise AssertionError(f"a process ran on with damaged memory and answered {got}")
+        with pytest.raises(CheckpointError) as e:
+            await lr.done
+        error = e.value
+        assert lr.restored.criu.poll() is not None, "criu restore still runs"
+    except CheckpointError as e:  # met while CRIU still restored: as safe
+        error = e
+    assert error is not None and re.search(named, str(error)), str(error)
+    assert_gone(pids)
+    with pytest.raises(OSError):
+        await ask(tree.port, "get", timeout=3)
+
+
+@pytest.mark.parametrize("storage", ["files", "chunks"])
+async def test_a_damaged_eager_page_stops_the_restore_before_criu_runs(
+    tmp_path, process_tree, staging, pool, storage
+):
+    backend, tree, m, folder, _ = await suspended(tmp_path, process_tree, storage)
+    image = image_of(backend, m, folder, pool)
+    scratch = Path(tempfile.mkdtemp(prefix="gpusnap-pm-"))
+    try:
+        await asyncio.to_thread(lazy.stage, image, scratch, pool)
+        pms = read_pagemaps(scratch)
+    finally:
+        subprocess.run(["rm", "-rf", str(scratch)], check=False)
+    # a page CRIU restores itself (a stack, a private file mapping): never lazy
+    run = next(r for pm in pms if pm.pid for r in pm.runs if not r.lazy)
+    name = next(pm.pages_file for pm in pms if pm.pid)
+    if storage == "files":
+        flip(folder / name, run.offset + 7)
+        named = rf"{name}: the 64 KiB block at offset {run.offset // 65536 * 65536}"
+    else:
+        cid = chunk_at(m, name, run.offset)
+        blob = backend.root / STORE / m.key_id / cid[:2] / cid
+        data = bytearray(blob.read_bytes())
+        data[-1] ^= 0xFF
+        blob.write_bytes(bytes(data))
+        named = rf"{name}: chunk {cid[:12]}"
+    with pytest.raises(CheckpointError, match=named):
+        await restore_lazily(image, staging, m, pool)
+    assert not list(staging.glob("restore-*.log")), "CRIU ran on a damaged image"
+    with pytest.raises(OSError):
+        await ask(tree.port, "get", timeout=3)
+
+
+async def test_missing_page_sums_refuse_a_lazy_restore_of_files(
+    tmp_path, process_tree, staging, pool
+):
+    backend, tree, m, folder, _ = await suspended(tmp_path, process_tree, "files")
+    image = image_of(backend, m, folder, pool)
+    name = next(n for n in m.files if is_pages_file(n))
+    (folder / sums_name(name)).unlink()
+    with pytest.raises(CheckpointError, match=rf"{name}: no page checksums"):
+        await restore_lazily(image, staging, m, pool)
+    # and sums that do not match the manifest's checksum are not written
+    flip(folder / name, 5000)
+    problems = write_sums(folder, [name], pool, expected=m.files, chunk_bytes=m.chunk_bytes)
+    assert len(problems) == 1 and "differs from the manifest" in problems[0]
+    assert not (folder / sums_name(name)).exists()
+
+
+async def test_a_daemon_that_dies_leaves_no_process_on_zeroed_memory(
+    tmp_path, process_tree, staging, pool
+):
+    # Once the daemon's userfaultfds are closed, the kernel gives a faulting thread a zero
+    # page: without our own hold on them the holder answers the peek at once, with zeros
+    # instead of its bytes (checked: it does).
+    backend, tree, m, folder, before = await suspended(
+        tmp_path, process_tree, "files", program=LOCKED_HOLDER
+    )
+    image = image_of(backend, m, folder, pool)
+    lr = await restore_lazily(image, staging, m, pool)
+    tree.pid = lr.pid
+    pids = tree_pids(lr.pid)
+    # all of it is in but its buffer
+    assert lr.lazy_bytes <= before["size"] and lr.lazy_bytes >= before["size"] - (1 << 20)
+    assert (await ask(tree.port, "get"))["digest"] == before["digest"]
+    lr.daemon.send_signal(signal.SIGKILL)
+    last = before["size"] - 4096  # fetched last in the background (address order)
+    with pytest.raises((OSError, asyncio.IncompleteReadError, json.JSONDecodeError)):
+        got = await ask(tree.port, f"peek {last}")
+        raise AssertionError(
+            f"a process ran on after its daemon died and answered {got} "
+            f"({lr.server.bytes} of {lr.lazy_bytes} bytes had been served)"
+        )
+    with pytest.raises(CheckpointError, match=r"killed: criu lazy-pages exited with -9"):
+        await lr.done
+    assert lr.daemon.returncode == -signal.SIGKILL and lr.server.bytes < lr.lazy_bytes
+    assert_gone(pids)
+
+
+# ---------------------------------------------------------------------- the sandbox
+
+
+async def test_a_users_sandboxed_server_restores_lazily(tmp_path, staging, pool, system_users):
+    """The spawner's sandbox (own PID + mount namespace, own /proc) running the server as a
+    real user: --lazy-pages works there too."""
+    user = system_users()
+    port = free_port()
+    log = tmp_path / "server.log"
+    python = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+    launcher = subprocess.Popen(
+        sandbox.command([python, "-c", HOLDER, str(port)], str(log), user=user.pw_name),
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, cwd="/",
+    )  # fmt: skip
+    restored = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.exists() and "ready" in log.read_text(errors="replace")):
+            assert launcher.poll() is None and time.monotonic() < deadline, log.read_text()
+            await asyncio.sleep(0.1)
+        init = next(
+            c.pid for c in psutil.Process(launcher.pid).children() if "--init" in c.cmdline()
+        )
+        before = await ask(port, "hash")
+        backend = make_backend(tmp_path, "files")
+        info = await backend.checkpoint(Server(user="alice", name="", state={"pid": init}))
+        launcher.wait(30)
+        folder = backend.folder(info.id)
+        m = Manifest.load(folder)
+        assert m.extra["mount_namespace"] is True
+        lr = await restore_lazily(image_of(backend, m, folder, pool), staging, m, pool)
+        restored = lr.pid
+        assert sandbox.own_mount_namespace(lr.pid)
+        after = await ask(port, "hash")
+        assert after["now"] == before["digest"] and after["pid"] == before["pid"]
+        assert after["uid"] == user.pw_uid != 0
+        assert (await lr.done)["served_bytes"] == lr.lazy_bytes
+    finally:
+        with contextlib.suppress(OSError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        if restored is not None:
+            with contextlib.suppress(OSError):
+                os.kill(restored, signal.SIGKILL)  # the namespace's init: takes the rest
