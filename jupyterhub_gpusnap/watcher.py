@@ -30,6 +30,10 @@ from .store import Store
 
 # States in which a server is not running and the watcher keeps its record.
 OFFLINE = {State.suspended, State.suspending, State.restoring}
+# Seconds a finished suspension waits for its "suspended" email to be claimed in the store
+# (address looked up, claim written; the sending runs in the background) before it records the
+# server suspended: the claim first keeps a crash in between from mailing the user twice.
+CLAIM_TIMEOUT = 30.0
 # Sample fields exported as gpusnap_signal{signal=...}, in Watcher._export's order.
 _EXPORTED_SIGNALS = ("cpu", "gpu", "gpu_memory", "kernels_busy")
 
@@ -75,16 +79,6 @@ class Watcher(LoggingConfigurable):
     suspend_timeout = Float(
         1800,
         help="Seconds one suspension may take before it is given up (the server keeps running).",
-    ).tag(config=True)
-
-    claim_timeout = Float(
-        30,
-        min=0,
-        help="""Seconds a finished suspension waits for its "suspended" email to be claimed
-        in the service's database (address looked up, the claim written; not the sending,
-        which runs in the background) before it records the server suspended. The claim
-        first is what keeps a crash in between from mailing the user twice; a slow
-        auth_state lookup past this time only narrows that guarantee.""",
     ).tag(config=True)
 
     min_free_gpu_memory = Integer(
@@ -806,14 +800,14 @@ class Watcher(LoggingConfigurable):
     async def _notify(self, kind: str, status: ServerStatus, event_ref: str, detail: dict,
                       wait_claim: bool = False) -> None:  # fmt: skip
         """Send ``kind`` email in the background; with ``wait_claim``, return once it is
-        claimed in the store (or known not to be sent), at most ``claim_timeout`` s later."""
+        claimed in the store (or known not to be sent), at most CLAIM_TIMEOUT s later."""
         if self.notifier is None:
             return
         claimed = asyncio.get_running_loop().create_future() if wait_claim else None
         try:
             task = await self.notifier.notify_event(kind, status, event_ref, detail, claimed=claimed)
             if claimed is not None:
-                await asyncio.wait({claimed, task}, timeout=self.claim_timeout, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({claimed, task}, timeout=CLAIM_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
         except Exception as e:  # email never blocks or undoes a checkpoint
             metrics.FAILURES.labels(kind="email").inc()
             self.log.error("%s: %s email failed: %s", status.key, kind, e)
