@@ -113,10 +113,27 @@ def _inside(rootfs: Path, name: str) -> Path | None:
     outside it (a symlink in the container's files pointing out)."""
     path = rootfs / name.lstrip("/")
     real = os.path.realpath(path.parent)
-    root = os.path.realpath(rootfs)
-    if real != root and not real.startswith(root + os.sep):
+    if not _within(real, os.path.realpath(rootfs)):
         return None
     return Path(real) / path.name
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root + os.sep)
+
+
+def _rootfs_member(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo:
+    """tarfile's ``tar`` filter (nothing outside ``dest``, no setuid bits, owners kept:
+    the container's files belong to its users), and no hard link to a file outside
+    ``dest`` nor device nodes: the node's files must not appear inside the container."""
+    member = tarfile.tar_filter(member, dest)
+    if member.islnk():
+        target = os.path.realpath(os.path.join(dest, member.linkname))
+        if not _within(target, os.path.realpath(dest)):
+            raise tarfile.LinkOutsideDestinationError(member, target)
+    if member.isdev():
+        raise tarfile.SpecialFileError(member)
+    return member
 
 
 def apply_rootfs_diff(archive: ContainerArchive, rootfs: Path) -> int:
@@ -124,9 +141,12 @@ def apply_rootfs_diff(archive: ContainerArchive, rootfs: Path) -> int:
     filesystem, as the node sees it): unpack ``rootfs-diff.tar`` and delete what
     ``deleted.files`` lists, as CRI-O does before it restores. Returns the entries written.
 
-    The tar comes from the user's container: tarfile's ``tar`` filter refuses members
-    that would land outside ``rootfs`` (absolute paths, ``..``, symlinks in the way) and
-    drops setuid bits; deletions outside ``rootfs`` are refused the same way.
+    The tar comes from the user's container: members that would land outside ``rootfs``
+    (absolute paths, ``..``, symlinks in the way), hard links to files outside it and
+    device nodes are refused, setuid bits dropped (:func:`_rootfs_member`); deletions
+    outside ``rootfs`` are refused the same way. Every member is checked before anything
+    is written; one that escapes only through a symlink the archive itself creates is
+    caught while extracting (the restore stops there, the image is kept).
     """
     diff = archive.folder / "rootfs-diff.tar"
     written = 0
@@ -134,7 +154,9 @@ def apply_rootfs_diff(archive: ContainerArchive, rootfs: Path) -> int:
         try:
             with tarfile.open(diff, "r:") as tar:
                 members = tar.getmembers()
-                tar.extractall(rootfs, members=members, filter="tar")
+                for member in members:
+                    _rootfs_member(member, str(rootfs))
+                tar.extractall(rootfs, members=members, filter=_rootfs_member)
                 written = len(members)
         except (tarfile.TarError, OSError) as e:
             raise AgentError(
