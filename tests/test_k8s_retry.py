@@ -95,3 +95,60 @@ async def test_api_server_errors_that_mean_no_are_not_tried_again(kube, proxy, t
     with pytest.raises(AgentError, match="503"):
         await backend.latest("alice", "")
     assert proxy.faults[0].hits == 4
+
+
+@pytest.mark.criu
+async def test_a_push_that_fails_every_time_leaves_the_server_running(tmp_path):
+    """Service → real agent → kubelet (real runc container) → a registry whose gateway
+    refuses every chunk: the checkpoint fails after a bounded number of tries, saying so,
+    and the server's container runs on; nothing is recorded."""
+    import oci_runtime
+    from fake_kube import Cluster, Workload, cgroup2_mount
+    from registry import Registry
+
+    from jupyterhub_gpusnap.checkpoint.base import CheckpointError
+    from jupyterhub_gpusnap.model import Server
+
+    registry = await Registry(tmp_path / "registry").start()
+    gateway = await FaultProxy(f"http://{registry.host}").start()
+    cluster = Cluster(tmp_path)
+    await cluster.start(
+        PodMapper__proc_root="/proc",
+        PodMapper__cgroup_root=str(cgroup2_mount()),
+        AgentApp__runtime_state_dirs=[str(oci_runtime.RUNC_ROOT)],
+        Backoff__first_delay=0.01,
+        Backoff__max_delay=0.05,
+        Backoff__attempts=3,
+    )
+    work = Workload(tmp_path / "work").start()
+    try:
+        await work.wait_lines(2, timeout=60)
+        cluster.add_user_pod("alice", work)
+        backend = KubernetesBackend(
+            config=cluster.hub_config(
+                KubernetesBackend__repository_template=f"{gateway.host}/gpusnap/{{username}}",
+                KubernetesBackend__registry_scheme="http",
+                KubernetesBackend__timeout=120,
+            )
+        )
+        gateway.faults = [Fault("PATCH", r"/blobs/uploads/.", times=0)]
+
+        with pytest.raises(CheckpointError) as raised:
+            await backend.checkpoint(
+                Server(user="alice", name="", state={"pod_name": "jupyter-alice", "namespace": "jhub"})
+            )
+
+        message = str(raised.value)
+        assert "checkpoint failed, the server keeps running" in message
+        assert "502" in message and "gave up after 3 tries in a row" in message
+        assert gateway.faults[0].hits == 3  # bounded
+        assert cluster.kube.checkpointed == ["jhub/jupyter-alice/notebook"]  # one kubelet dump
+        assert cluster.kube.configmaps == {}  # nothing recorded
+        seen = len(work.lines())
+        await work.wait_lines(seen + 2)  # the container runs on
+        assert work.alive() and cluster.kube.deleted == []
+    finally:
+        work.close()
+        await cluster.stop()
+        await gateway.stop()
+        registry.stop()
