@@ -1077,6 +1077,7 @@ class ServiceNotifier(Notifier):
             # the checkpoint's own time, not the restore's
             ctx["suspended_at"] = detail.get("created") or None
         ctx.update({k: v for k, v in detail.items() if k in _CONTEXT_FIELDS})
+        ctx["retention_days"] = _days(ctx.get("retention_days"))
         if isinstance(ctx.get("keep_max_hours"), float) and ctx["keep_max_hours"].is_integer():
             ctx["keep_max_hours"] = int(ctx["keep_max_hours"])
         return ctx

@@ -354,6 +354,8 @@ class Watcher(LoggingConfigurable):
         if info is not None:
             detail.update(image_bytes=info.image_bytes, gpu_bytes=info.gpu_bytes, error=info.error,
                           restore_s=info.extra.get("restore_s"))
+            if info.extra.get("retention_days") is not None:  # the backend's own word on this one
+                detail["retention_days"] = info.extra["retention_days"]
             if restored and info.gpu_count:
                 metrics.GPU_SECONDS_FREED.inc(max(0.0, now - status.state_since) * info.gpu_count)
         event = self.store.record_event(status.key, kind, detail)
