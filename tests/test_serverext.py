@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -186,6 +189,17 @@ def test_service_url_from_env():
         service_url_from_env({"JUPYTERHUB_API_URL": "http://proxy:8000/hub/api"}, "snap")
         == "http://proxy:8000/services/snap/"
     )
+    # JUPYTERHUB_PUBLIC_URL is the server's own public URL: only its host counts
+    assert (
+        service_url_from_env(
+            {
+                "JUPYTERHUB_PUBLIC_URL": "https://hub.example.org/jh/user/alice/gpu/",
+                "JUPYTERHUB_BASE_URL": "/jh/",
+                "JUPYTERHUB_API_URL": "http://hub:8081/jh/hub/api",
+            }
+        )
+        == "https://hub.example.org/jh/services/gpusnap/"
+    )
 
 
 @pytest.fixture
@@ -303,3 +317,69 @@ async def post_json(base: str, token: str, path: str, body: dict) -> tuple[int, 
         raise_error=False,
     )
     return resp.code, json.loads(resp.body) if resp.body else {}
+
+
+def stand_in_driver(root: Path) -> Path:
+    """A real shared library under a name nothing else loads, as CudaCheckpoint.libcuda_path: a
+    process that tries to load the CUDA driver maps it (and finds no checkpoint API in it)."""
+    import ctypes.util
+
+    name = ctypes.util.find_library("z")
+    source = next(p for d in ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib64", "/lib64")
+                  if (p := Path(d) / name).exists())
+    path = root / "libcuda-stand-in.so.1"
+    shutil.copy(source, path)
+    return path
+
+
+async def test_the_extension_loads_nothing_of_the_gpu_until_the_service_says_parked(tmp_path):
+    driver = stand_in_driver(tmp_path)
+    port, token = free_port(), secrets.token_hex(16)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
+    env.update(JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"))
+    log = open(tmp_path / "server.log", "wb")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyter_server", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+         "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", "--ServerApp.open_browser=False",
+         "--ServerApp.allow_root=True", f"--ServerApp.root_dir={tmp_path}",
+         "--ServerApp.jpserver_extensions=jupyterhub_gpusnap.serverext=True",
+         f"--CudaCheckpoint.libcuda_path={driver}"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+    )
+    try:
+        base = f"http://127.0.0.1:{port}/"
+        for _ in range(300):
+            assert server.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                code, state = await local_get(base, token, "gpusnap/autounpark")
+                if code == 200:
+                    break
+            except OSError:
+                pass
+            await asyncio.sleep(0.2)
+        assert code == 200 and state["watching"] is False, state
+        # a kernel too: the server at work, still no driver
+        code, _ = await post_json(base, token, "api/kernels", {})
+        assert code == 201
+        maps = Path(f"/proc/{server.pid}/maps").read_text()
+        assert str(driver) not in maps, "the server extension loaded the (stand-in) CUDA driver"
+        assert "libnvidia-ml" not in maps and "libcuda.so" not in maps
+        log_text = (tmp_path / "server.log").read_text()
+        assert "jupyterhub_gpusnap.serverext | extension was successfully loaded" in log_text
+    finally:
+        server.terminate()
+        server.wait(30)
+        log.close()
+
+
+async def test_a_parked_answer_from_the_service_starts_the_automatic_unpark(jupyter_server):
+    app, base, token = jupyter_server
+    settings = app.web_app.settings
+    assert settings.get("gpusnap_autounpark") is None
+    settings["gpusnap_on_status"]({"state": "active"})
+    assert settings.get("gpusnap_autounpark") is None
+    settings["gpusnap_on_status"]({"state": "parked"})
+    watcher = settings["gpusnap_autounpark"]
+    assert isinstance(watcher, AutoUnpark) and watcher.cuda._loaded  # it looked for the driver
+    code, state = await local_get(base, token, "gpusnap/autounpark")
+    assert code == 200 and state["watching"] is False  # none here: nothing to watch
