@@ -321,3 +321,27 @@ async def test_token_auth_registry_gets_a_bearer_token_from_the_realm(tmp_path):
         assert pulled.read_bytes() == blob.read_bytes()
     finally:
         registry.stop()
+
+
+def test_sweep_keeps_only_the_archive_of_the_failed_push(tmp_path):
+    """After a failed push the agent keeps that archive (a retry can ship it) and no other
+    archive of the container: at most one per container, whatever the failures."""
+    import logging
+
+    from jupyterhub_gpusnap.agent.ship import sweep_archives
+
+    names = [
+        "checkpoint-jupyter-alice_jhub-notebook-2026-11-25T16:00:00Z.tar",
+        "checkpoint-jupyter-alice_jhub-notebook-2026-11-25T17:00:00Z.tar",
+        "checkpoint-jupyter-bob_jhub-notebook-2026-11-25T17:00:00Z.tar",
+    ]
+    for name in names:
+        (tmp_path / name).write_bytes(b"archive")
+    log = logging.getLogger("test")
+    newest = tmp_path / names[1]
+    removed = sweep_archives(tmp_path, "jhub", "jupyter-alice", "notebook", log, keep=newest)
+    assert [p.name for p in removed] == [names[0]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == names[1:]
+    # once a checkpoint of the container ships, nothing of it stays
+    sweep_archives(tmp_path, "jhub", "jupyter-alice", "notebook", log)
+    assert [p.name for p in tmp_path.iterdir()] == [names[2]]

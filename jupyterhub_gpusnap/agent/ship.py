@@ -320,14 +320,21 @@ def delete_local(archive: Path, log) -> None:
         log.warning("could not delete checkpoint archive %s: %s", archive, e)
 
 
-def sweep_archives(folder: Path, namespace: str, pod: str, container: str, log) -> list[Path]:
-    """Delete every kubelet archive of one container (``checkpoint-<pod>_<ns>-<ctr>-<time>.tar``).
+def sweep_archives(
+    folder: Path, namespace: str, pod: str, container: str, log, keep: Path | None = None
+) -> list[Path]:
+    """Delete every kubelet archive of one container (``checkpoint-<pod>_<ns>-<ctr>-<time>.tar``)
+    but ``keep``.
 
     Called after each checkpoint of that container, when no other checkpoint of it can
-    be in flight: it removes archives a kubelet finished after the agent stopped waiting.
+    be in flight: it removes archives a kubelet finished after the agent stopped waiting,
+    and those kept after a failed push. ``keep``: the archive of a push that just failed,
+    which stays until a checkpoint of the container ships (at most one per container).
     """
     removed = []
     for path in folder.glob(f"checkpoint-{pod}_{namespace}-{container}-[0-9][0-9][0-9][0-9]-*.tar"):
+        if keep is not None and path.name == keep.name:
+            continue
         delete_local(path, log)
         removed.append(path)
     if removed:
