@@ -251,6 +251,65 @@ async def test_tokenreview_auth_admits_only_allowed_service_accounts(tmp_path):
         await cluster.stop()
 
 
+async def test_tokenreview_refusals_are_cached_and_reviews_are_rate_limited(tmp_path):
+    """A caller retrying a bad token, or many callers with made-up tokens, cannot make the
+    agent load the API server: refusals are remembered, new tokens reviewed at a bounded rate."""
+    cluster = Cluster(tmp_path)
+    await cluster.start(
+        AgentApp__auth="tokenreview",
+        AgentApp__allowed_users=["system:serviceaccount:jhub:hub"],
+        AgentApp__tokenreview_max_per_second=0.01,  # one review, then one per 100 s
+    )
+
+    def reviews() -> int:
+        return len([r for r in cluster.kube.requests if "tokenreviews" in r[1]])
+
+    try:
+        code, body = await cluster.agent_call("GET", "/healthz", token="sa-forged")
+        assert code == 401 and reviews() == 1
+        for _ in range(5):  # the same bad token again: refused from memory
+            code, again = await cluster.agent_call("GET", "/healthz", token="sa-forged")
+            assert code == 401 and again == body
+        assert reviews() == 1
+        # a token never seen, beyond the rate: 429 without asking the API server
+        hub_token = cluster.hub_token_file.read_text()
+        code, body = await cluster.agent_call("GET", "/healthz", token=hub_token)
+        assert code == 429 and reviews() == 1
+        assert "AgentApp.tokenreview_max_per_second" in body["fix"]
+        # once the budget allows it, the good token is reviewed and then trusted from memory
+        cluster.agent.tokenreview_max_per_second = 0
+        for _ in range(3):
+            code, body = await cluster.agent_call("GET", "/healthz", token=hub_token)
+            assert code == 200
+        assert reviews() == 2
+    finally:
+        await cluster.stop()
+
+
+async def test_checkpoints_to_a_pvc_need_a_configured_folder(cluster, tmp_path):
+    """With pvc_paths empty (the default) no caller can have the agent (root on the node)
+    write into a folder it names; with it set, only those folders, however spelled."""
+    allowed, other = tmp_path / "snapshots", tmp_path / "etc"
+    allowed.mkdir()
+    other.mkdir()
+    cluster.add_user_pod("alice")
+    request = {"namespace": "jhub", "pod": "jupyter-alice", "container": "notebook"}
+
+    code, body = await cluster.agent_call(
+        "POST", "/v1/checkpoint", {**request, "target": {"kind": "pvc", "path": str(allowed)}}
+    )
+    assert code == 403 and "AgentApp.pvc_paths is empty" in body["error"]
+    assert "AgentApp.pvc_paths" in body["fix"]
+    cluster.agent.pvc_paths = [str(allowed)]
+    for path in (other, allowed / ".." / "etc"):
+        code, body = await cluster.agent_call(
+            "POST", "/v1/checkpoint", {**request, "target": {"kind": "pvc", "path": str(path)}}
+        )
+        assert code == 403 and "is not one of AgentApp.pvc_paths" in body["error"], path
+    # refused before anything was frozen or checkpointed
+    assert cluster.kube.checkpointed == [] and list(other.iterdir()) == []
+
+
 # -- checkpoints through the hub-side backend --------------------------------------------
 
 
@@ -335,7 +394,10 @@ async def test_backend_checkpoint_ships_verified_image_and_records_it(
 @pytest.mark.criu
 async def test_checkpoint_to_pvc_through_the_apiserver_proxy(tmp_path):
     cluster = Cluster(tmp_path)
-    await cluster.start(KubeletClient__kubelet_route="apiserver-proxy")
+    await cluster.start(
+        KubeletClient__kubelet_route="apiserver-proxy",
+        AgentApp__pvc_paths=[str(tmp_path / "snapshots")],
+    )
     work = Workload(tmp_path).start()
     try:
         await work.wait_lines(2)
@@ -434,7 +496,9 @@ async def test_failed_checkpoint_leaves_the_pod_running_with_a_clear_error(clust
 @pytest.mark.criu
 async def test_rbac_denied_node_proxy_names_the_permission(tmp_path):
     cluster = Cluster(tmp_path)
-    await cluster.start(KubeletClient__kubelet_route="apiserver-proxy")
+    await cluster.start(
+        KubeletClient__kubelet_route="apiserver-proxy", AgentApp__pvc_paths=[str(tmp_path)]
+    )
     work = Workload(tmp_path).start()
     try:
         cluster.add_user_pod("alice", work)
@@ -569,6 +633,7 @@ async def test_gpu_checkpoint_records_its_gpus_and_restores_only_where_they_matc
     restore_dir = tmp_path / "restore"
     await cluster.start(
         AgentApp__restore_dir=str(restore_dir),
+        AgentApp__pvc_paths=[str(tmp_path / "pvc")],
         PodMapper__proc_root="/proc",
         PodMapper__cgroup_root=str(cgroup2_mount()),
     )

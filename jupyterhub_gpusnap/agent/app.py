@@ -148,6 +148,21 @@ class AgentApp(Application):
         60.0, help="Seconds a successful TokenReview is trusted before asking the API server again."
     ).tag(config=True)
 
+    tokenreview_refusal_cache_seconds = Float(
+        10.0,
+        help="Seconds a token the API server did not authenticate, or whose user is not in "
+        "allowed_users, is refused again without another TokenReview (0: review every time). "
+        "Keeps a caller retrying a bad token from loading the API server.",
+    ).tag(config=True)
+
+    tokenreview_max_per_second = Float(
+        5.0,
+        help="Most TokenReviews per second the agent sends for tokens it has not seen (bursts "
+        "of twice that are allowed). Beyond it a request with an unknown token is answered "
+        "429 without asking the API server; tokens already reviewed are not counted. Raise "
+        "it if many legitimate callers start at once; 0: no limit.",
+    ).tag(config=True)
+
     checkpoint_dir = Unicode(
         "/var/lib/kubelet/checkpoints",
         help="Where the kubelet's checkpoint archives are visible to the agent (mount the host's "
@@ -246,8 +261,10 @@ class AgentApp(Application):
 
     pvc_paths = List(
         Unicode(),
-        help="Folders (mounted PVCs) a checkpoint request may use as target.path. Empty: any "
-        "existing folder.",
+        help="Folders (mounted snapshot PVCs) a checkpoint request may use as target.path with "
+        "target.kind 'pvc', e.g. ['/snapshots']. Empty (the default): checkpoints to a PVC are "
+        "refused, so that no caller can have the agent, root on the node, write into any "
+        "folder it names.",
     ).tag(config=True)
 
     cpu_sample_seconds = Float(
@@ -290,7 +307,9 @@ class AgentApp(Application):
         self.cpu = CpuMeter()
         self._gpu_since: dict[str, int] = {}
         self._busy: dict[str, str] = {}
-        self._reviews: dict[str, tuple[str, float]] = {}
+        # token hash -> (username, or the refusal to repeat, and when it expires)
+        self._reviews: dict[str, tuple[str | AgentError, float]] = {}
+        self._review_budget: tuple[float, float] | None = None  # (reviews left, at when)
         self._criu: str | None = None
         self._restored: list = []
         self.server: HTTPServer | None = None
@@ -437,23 +456,55 @@ class AgentApp(Application):
                 return "token"
             raise AgentError("wrong token", "use the agent's shared secret (api_token_file)", 401)
         key = hashlib.sha256(token.encode()).hexdigest()
+        now = time.monotonic()
         cached = self._reviews.get(key)
-        if cached and cached[1] > time.monotonic():
+        if cached and cached[1] > now:
+            if isinstance(cached[0], AgentError):
+                raise cached[0]
             return cached[0]
+        self._spend_review(now)
         status = await self.api.token_review(token)
+        refusal = None
+        user = (status.get("user") or {}).get("username", "")
         if not status.get("authenticated"):
-            raise AgentError(
+            refusal = AgentError(
                 f"the API server did not authenticate the token: {status.get('error', '')}",
                 "send a valid ServiceAccount token",
                 401,
             )
-        user = (status.get("user") or {}).get("username", "")
-        if user not in self.allowed_users:
-            raise AgentError(
+        elif user not in self.allowed_users:
+            refusal = AgentError(
                 f"{user} may not call the gpusnap agent", "add it to AgentApp.allowed_users", 403
             )
-        self._reviews[key] = (user, time.monotonic() + self.tokenreview_cache_seconds)
+        now = time.monotonic()
+        if len(self._reviews) > 1000:
+            self._reviews = {k: v for k, v in self._reviews.items() if v[1] > now}
+        if refusal is not None:
+            if self.tokenreview_refusal_cache_seconds > 0:
+                self._reviews[key] = (refusal, now + self.tokenreview_refusal_cache_seconds)
+            raise refusal
+        self._reviews[key] = (user, now + self.tokenreview_cache_seconds)
         return user
+
+    def _spend_review(self, now: float) -> None:
+        """Take one TokenReview from the budget (tokenreview_max_per_second, bursts of
+        twice that), or refuse the request with 429."""
+        rate = self.tokenreview_max_per_second
+        if rate <= 0:
+            return
+        burst = max(1.0, 2 * rate)
+        left, at = self._review_budget or (burst, now)
+        left = min(burst, left + (now - at) * rate)
+        if left < 1:
+            self._review_budget = (left, now)
+            raise AgentError(
+                f"too many requests with tokens the agent has not seen: TokenReviews are "
+                f"limited to {rate:g} per second",
+                "retry in a second; if it persists, look in the agent's log for who calls it "
+                "with bad tokens (or raise AgentApp.tokenreview_max_per_second)",
+                429,
+            )
+        self._review_budget = (left - 1, now)
 
     # -- the work -----------------------------------------------------------------------
 
@@ -601,12 +652,35 @@ class AgentApp(Application):
                 "send target {kind: registry, repository} or {kind: pvc, path}",
                 400,
             )
+        if target["kind"] == "pvc":
+            self.pvc_folder(target)  # refused before anything is frozen
         key = f"{ns}/{name}"
         self.claim(key, "checkpoint")
         try:
             return await self._checkpoint(ns, name, container, timeout, target)
         finally:
             self._busy.pop(key, None)
+
+    def pvc_folder(self, target: dict) -> Path:
+        """``target.path`` of a checkpoint to a PVC, if it is one of pvc_paths (403 if not,
+        and always while pvc_paths is empty)."""
+        folder = Path(need(target, "path"))
+        allowed = {os.path.realpath(p) for p in self.pvc_paths}
+        if not allowed:
+            raise AgentError(
+                "checkpoints to a PVC are off on this agent: AgentApp.pvc_paths is empty",
+                "mount the snapshot PVC into the agent pod and list its folder in "
+                "AgentApp.pvc_paths (e.g. ['/snapshots'])",
+                403,
+            )
+        if os.path.realpath(folder) not in allowed:
+            raise AgentError(
+                f"target.path {folder} is not one of AgentApp.pvc_paths "
+                f"({', '.join(self.pvc_paths)})",
+                "use a path listed in AgentApp.pvc_paths",
+                403,
+            )
+        return folder
 
     async def _checkpoint(
         self, ns: str, name: str, container: str, timeout: int, target: dict
@@ -656,13 +730,7 @@ class AgentApp(Application):
                     gpu=gpu,
                 )
             else:
-                folder = Path(need(target, "path"))
-                if self.pvc_paths and str(folder) not in self.pvc_paths:
-                    raise AgentError(
-                        f"target.path {folder} is not one of pvc_paths",
-                        "use a path listed in AgentApp.pvc_paths",
-                        400,
-                    )
+                folder = self.pvc_folder(target)
                 shipped = await self.shipper.to_pvc(
                     archive, folder, server, gpu_bytes, created, gpu=gpu
                 )
