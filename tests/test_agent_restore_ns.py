@@ -136,6 +136,30 @@ async def test_restore_waits_for_a_running_placeholder_and_fetches_nothing(tmp_p
         await cluster.stop()
 
 
+async def test_a_containers_checkpoint_is_not_restored_outside_a_container(tmp_path):
+    """restore_into = "agent" (one machine, no pods) cannot give a container's checkpoint
+    its root filesystem and volumes: refused, naming the setting, and the image kept."""
+    cluster = await Cluster(tmp_path).start(AgentApp__restore_into="agent")
+    work = Workload(tmp_path, bare=False).start()
+    try:
+        await work.wait_lines(2)
+        cluster.add_user_pod("alice", work)
+        path = await cluster.kube.kubelet_checkpoint("jhub", "jupyter-alice", "notebook")
+        pvc = tmp_path / "pvc"
+        pvc.mkdir()
+        shipped = await Shipper().to_pvc(
+            cluster.kube.checkpoints / os.path.basename(path), pvc, "alice/", 0, time.time()
+        )
+        work.stop()
+        code, body = await cluster.restore_into(shipped.id)
+        assert code == 409 and "it can only be restored into a container" in body["error"], body
+        assert "AgentApp.restore_into = 'placeholder'" in body["fix"]
+        assert Path(shipped.id).exists() and cluster.agent._restored == []
+    finally:
+        work.close()
+        await cluster.stop()
+
+
 async def test_criu_restore_refuses_a_cgroup_it_cannot_enter(tmp_path):
     missing = tmp_path / "no-such-cgroup"
     with pytest.raises(CheckpointError, match="no-such-cgroup/cgroup.procs is not writable"):

@@ -940,6 +940,14 @@ class AgentApp(Application):
                 if target is not None:
                     restored = await self._restore_into(target, images, scratch, extra)
                 else:
+                    if (await asyncio.to_thread(ContainerArchive.read, images)).spec.get("root"):
+                        raise AgentError(
+                            f"checkpoint {image} is a container's (its runtime's archive has "
+                            "the container's spec): it can only be restored into a container",
+                            "set AgentApp.restore_into = 'placeholder' (the default) and restore "
+                            "into the placeholder pod SnapKubeSpawner creates",
+                            409,
+                        )
                     if self.restore_root:
                         extra += ["--root", self.restore_root]
                     restored = await criu_tools.restore(
