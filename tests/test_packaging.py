@@ -272,6 +272,14 @@ def test_the_notebook_side_imports_without_the_hub_side(light_venv):
     assert result["service"] in HUB_SIDE  # the service needs the hub extra
     # the installed wheel, not this checkout
     assert result["file"].startswith(str(light_venv))
+    # the service's command says what to install instead of a traceback
+    out = subprocess.run(
+        [light_venv / "bin" / "jupyterhub-gpusnap", "--help"],
+        capture_output=True, text=True, cwd=root, env=light_env(root),
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "pip install 'jupyterhub-gpusnap[hub]'" in out.stderr
+    assert "docs/notebook-image.md" in out.stderr
 
 
 def test_the_server_extension_loads_in_a_server_without_the_hub_side(light_venv):
