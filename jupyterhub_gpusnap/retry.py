@@ -9,8 +9,9 @@ not come back in step). What is worth retrying is the caller's decision (``retry
 never a 4xx, which another try would only repeat.
 
 Each client has its own Backoff (``parent`` = the client), so the settings apply to all
-(``c.Backoff.attempts``) or to one client (``c.RegistryClient.Backoff.attempts``,
-``c.AgentLocator.Backoff…``, ``c.KubernetesBackend.Backoff…``, ``c.SnapKubeSpawner.Backoff…``).
+(``c.Backoff.attempts``) or to one client: ``c.RegistryClient.Backoff…`` (registry pushes and
+pulls, in the agent), ``c.AgentLocator.Backoff…`` (the service's API-server and agent calls),
+``c.SnapKubeSpawner.Backoff…`` (the spawner's).
 """
 
 from __future__ import annotations
