@@ -145,10 +145,10 @@ def stage(image: FilesImage | ChunksImage, dest: Path, pool: Executor):
             fd = os.open(dest / name, os.O_WRONLY)
             try:
                 for off, n in ranges:
-                    data = sources[name].read(off, n)
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.pwrite(fd, view, off + len(data) - len(view)) :]
+                    for view in sources[name].read(off, n):
+                        while view:
+                            done = os.pwrite(fd, view, off)
+                            view, off = view[done:], off + done
             finally:
                 os.close(fd)
     except (SumsError, PageDamaged) as e:

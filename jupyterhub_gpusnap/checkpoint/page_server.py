@@ -113,7 +113,7 @@ class PageServer:
             queue.put_nowait(StopAsyncIteration)
             await sender
 
-    def _read(self, dst: int, vaddr: int, nr: int) -> bytes:
+    def _read(self, dst: int, vaddr: int, nr: int) -> list[memoryview]:
         t = time.perf_counter()
         pm = self.maps.get(dst)
         if pm is None:
@@ -123,12 +123,12 @@ class PageServer:
         except PagemapError as e:
             raise PageDamaged(f"lazy-pages asked for {nr} pages at {vaddr:#x}: {e}") from e
         source = self.sources[pm.pages_file]
-        parts = [source.read(off, n) for off, n in ranges]
+        parts = [view for off, n in ranges for view in source.read(off, n)]
         if nr > 1 and self.ahead:  # a background transfer: the next pages follow
             end = ranges[-1][0] + ranges[-1][1]
             source.ahead(end, self.ahead)
         self.read_s += time.perf_counter() - t
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return parts
 
     async def _send(self, queue: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
         while True:
@@ -149,7 +149,7 @@ class PageServer:
                 self._fail(e)
                 continue
             writer.write(IOV.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, nr, vaddr, dst))
-            writer.write(data)
+            writer.writelines(data)
             try:
                 await writer.drain()
             except ConnectionError:

@@ -81,8 +81,9 @@ class _Segmented:
                 self._cache.popitem(last=False)
         return data
 
-    def read(self, offset: int, length: int) -> bytes:
-        """``length`` checked bytes from ``offset`` (PageDamaged if any fail their check)."""
+    def read(self, offset: int, length: int) -> list[memoryview]:
+        """``length`` checked bytes from ``offset``, as views of checked segments (no copy;
+        PageDamaged if any fail their check)."""
         if offset < 0 or offset + length > self.size:
             raise PageDamaged(
                 f"{self.name}: bytes {offset}-{offset + length} beyond its {self.size}"
@@ -91,13 +92,13 @@ class _Segmented:
         i = bisect.bisect_right(self.starts, offset) - 1
         pos, end = offset, offset + length
         while pos < end:
-            data = self._segment(i)
+            data = memoryview(self._segment(i))
             s = pos - self.starts[i]
             piece = data[s : s + (end - pos)]
             out.append(piece)
             pos += len(piece)
             i += 1
-        return out[0] if len(out) == 1 else b"".join(out)
+        return out
 
     def ahead(self, offset: int, length: int) -> None:
         """Check the segments covering ``[offset, offset + length)`` in the pool, now."""
@@ -126,7 +127,7 @@ class _Segmented:
 class RawPages(_Segmented):
     """Pages file ``path`` checked against ``sums``."""
 
-    def __init__(self, path: Path | str, sums: PageSums, pool: Executor, keep: int = 64):
+    def __init__(self, path: Path | str, sums: PageSums, pool: Executor, keep: int = 96):
         super().__init__(pool, keep)
         self.path = Path(path)
         self.name = self.path.name
@@ -174,7 +175,7 @@ class ChunkPages(_Segmented):
     """Pages file ``name`` stored as ``refs`` (``[[id, length], …]``) in ``store``'s ``space``."""
 
     def __init__(self, store: ChunkStore, space: str, name: str, refs: list, pool: Executor,
-                 keep: int = 16):  # fmt: skip
+                 keep: int = 48):  # fmt: skip
         super().__init__(pool, keep)
         self.store = store
         self.space = space
