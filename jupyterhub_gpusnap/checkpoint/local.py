@@ -55,8 +55,8 @@ from .. import sandbox
 from ..model import Server, server_key
 from ..procs import boot_clock, started_since, tree_pids
 from . import criu
-from .base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
 from . import scrub as chunk_scrub
+from .base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
 from .chunks import PAGE, STORE, ChunkStore, Follower
 from .gpucompat import gpu_mismatch
 from .keys import Key, KeyFileError, load_keys
