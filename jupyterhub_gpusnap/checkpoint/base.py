@@ -100,3 +100,13 @@ class CheckpointBackend(LoggingConfigurable):
     async def apply_retention(self) -> list[str]:
         """Delete checkpoints past retention; return their ids. Never the one a restore needs."""
         return []
+
+    async def scrub(self, full: bool | None = None) -> dict:
+        """Re-check stored checkpoint data, repair what can be repaired, and mark the
+        checkpoints that can no longer be restored; a report (empty: nothing to do).
+
+        Called periodically (``full=None``: the backend decides whether a full pass is
+        due); may run for hours at a bounded I/O rate, so run it as a task of its own.
+        Backends whose storage checks itself (a registry, a PVC) keep this no-op.
+        """
+        return {}
