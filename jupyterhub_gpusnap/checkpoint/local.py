@@ -1031,10 +1031,12 @@ class LocalBackend(CheckpointBackend):
             full = self.scrub_interval > 0 and (
                 not isinstance(last, (int, float)) or time.time() - last >= self.scrub_interval
             )
-        found = [
-            (self._id(folder), folder, m, _rescue_since(folder, m) is not None)
-            for folder, m in self._load_all()
-        ]
+        found = await asyncio.to_thread(
+            lambda: [
+                (self._id(folder), folder, m, _rescue_since(folder, m) is not None)
+                for folder, m in self._load_all()
+            ]
+        )
         report = await chunk_scrub.scrub(
             store, found, full=bool(full), min_servers=self.replicate_min_servers,
             bytes_per_second=self.scrub_bytes_per_second, log=self.log,

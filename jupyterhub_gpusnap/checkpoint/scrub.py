@@ -41,7 +41,7 @@ from prometheus_client import Counter, Gauge
 from ..metrics import REGISTRY
 from ..model import server_key
 from .chunks import ChunkStore
-from .manifest import Manifest
+from .manifest import MANIFEST, Manifest
 
 STATE = ".scrub.json"  # in the chunk store: when the last full pass ended, and its outcome
 
@@ -172,6 +172,7 @@ async def scrub(
         if full or (want and not store.replica_path(space, chunk).exists()):
             todo.append((space, chunk, need, want))
     loop = asyncio.get_running_loop()
+    folders = {cid: folder for cid, folder, _, _ in found}
     lost: dict[tuple[str, str], str] = {}
     for start in range(0, len(todo), max(1, parallel)):
         batch = todo[start : start + max(1, parallel)]
@@ -194,10 +195,11 @@ async def scrub(
                 count_damage("scrub", True)
                 log.warning("chunk scrub: chunk %s… repaired from its other copy (%s); "
                             "needed by %s", chunk[:12], what, _names(need))  # fmt: skip
-            else:
+            elif any((folders[cid] / MANIFEST).is_file() for cid, _ in need.users):
                 lost[(space, chunk)] = what
                 report.damaged.append(f"{chunk[:12]}…: {what}")
                 count_damage("scrub", False)
+            # else: every checkpoint that listed it was deleted meanwhile (and a sweep took it)
         if bytes_per_second > 0:  # stay within the I/O budget
             ahead = report.bytes_read / bytes_per_second - (time.monotonic() - t0)
             if ahead > 0:
