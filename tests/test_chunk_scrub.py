@@ -4,6 +4,7 @@ the real chunk store on disk; damage is a bit flipped in a chunk file, as a disk
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 from conftest import TREE_PROGRAM
@@ -203,3 +204,44 @@ async def test_a_sweep_deletes_replicas_no_checkpoint_needs(tmp_path, process_tr
     await backend.delete(infos[1].id)
     assert not [p for p in replicas.rglob("*") if p.is_file()]
     assert not [p for p in (backend.root / STORE).rglob("*") if p.is_file() and p.name != ".lock"]
+
+
+def stored_checkpoint(backend, user: str, data: bytes, status: str = "verified") -> str:
+    """A checkpoint of ``data`` written as the backend writes one (chunks packed into the
+    real store, a manifest beside them), without a process: for what needs no restore."""
+    folder = backend.server_dir(user, "") / f"20261125T0000{len(user):02d}.000000Z"
+    folder.mkdir(parents=True)
+    (folder / "pages-1.img").write_bytes(data)
+    store = backend.chunk_store()
+    packed = store.pack([folder / "pages-1.img"])["pages-1.img"]
+    (folder / "pages-1.img").unlink()
+    Manifest(user=user, server="", created=1.0, status=status, storage="chunks",
+             key_id=store.space, chunks={"pages-1.img": packed.chunks}, verified_at=1.0).save(folder)  # fmt: skip
+    return backend._id(folder)
+
+
+async def test_scrub_runs_a_full_pass_when_due_and_checks_what_it_can_open(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text(new_key_line("k1") + "\n")
+    keys.chmod(0o600)
+    backend = make_backend(tmp_path, encryption_key_file=str(keys), scrub_bytes_per_second=0)
+    shared = os.urandom(1 << 20)
+    stored_checkpoint(backend, "alice", shared + os.urandom(256 << 10))
+    stored_checkpoint(backend, "bob", shared)
+
+    first = await backend.scrub()  # never scrubbed: due at once
+    assert first["full"] and first["replicated"] > 0 and first["ok"] > 0
+    assert first["chunks"] == first["ok"] + first["replicated"]
+    again = await backend.scrub()  # a week is not over: replicas only, none missing
+    assert not again["full"] and again["chunks"] == 0
+    backend.scrub_interval = 1e-9  # due again
+    assert (await backend.scrub())["full"]
+    backend.scrub_interval = 0  # off: no scheduled full pass
+    assert not (await backend.scrub())["full"]
+    assert (await backend.scrub(full=True))["full"]  # an admin's pass runs anyway
+
+    # the key is gone: nothing can be checked, and nothing is marked damaged for it
+    keys.write_text(new_key_line("k2") + "\n")
+    report = await backend.scrub(full=True)
+    assert report["unchecked"] == report["chunks"] > 0 and not report["damaged"]
+    assert {c.status for c in await backend.list()} == {"verified"}
