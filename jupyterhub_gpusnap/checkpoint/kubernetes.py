@@ -126,13 +126,16 @@ class AgentLocator(LoggingConfigurable):
     def _default_backoff(self) -> Backoff:
         return Backoff(parent=self)
 
-    async def kube(self, what: str, call, done_if: int = 0):
+    async def kube(self, what: str, call, done_if: int = 0, retry: bool = True):
         """An API-server call (``call()``), tried again on no answer and 5xx, never on 4xx.
 
         ``done_if``: the status that, on a second try, says the first one went through
         though its answer was lost (409 AlreadyExists for a create, 404 for a delete);
-        then None is returned.
+        then None is returned. ``retry=False``: one try (a periodic read, whose next tick
+        is its retry).
         """
+        if not retry:
+            return await call()
         tries = 0
 
         async def once():
@@ -193,6 +196,7 @@ class AgentLocator(LoggingConfigurable):
             lambda: self.api.list_pods(
                 self.agent_namespace, label_selector=self.agent_label_selector
             ),
+            retry=False,  # read every tick (make room): the next tick is the retry
         )
         urls: dict[str, str] = {}
         for pod in pods:
