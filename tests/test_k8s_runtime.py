@@ -176,8 +176,24 @@ async def test_agent_ships_the_runtimes_checkpoint_and_restores_it_into_a_placeh
         assert code == 409 and "/home/jovyan" in body["error"], body
         assert "volumes" in body["fix"]
         assert bare.cgroup_pids() == [bare.pid]  # nothing was restored into it
+        # the unpacked checkpoint (the server's memory) is not left on the node
+        assert not [p for p in (tmp_path / "restore").rglob("*") if p.is_file()]
         cluster.kube.pods.pop(("jhub", "jupyter-alice"))
         pods.delete(bare)
+
+        # another volume at the same place (not the user's PVC): CRIU cannot find the files
+        # the server had open there; the restore fails, its log kept, the memory not
+        other = tmp_path / "other-volume"
+        other.mkdir()
+        wrong = pods.run(["sleep", "infinity"], other)
+        cluster.add_user_pod("alice", placeholder_for=info.id, runtime=wrong)
+        code, body = await cluster.restore_into(info.id)
+        assert code == 500 and "criu restore" in body["error"], body
+        left = [p for p in (tmp_path / "restore").rglob("*") if p.is_file()]
+        assert left and all(p.suffix == ".log" for p in left), left
+        assert str(left[0]) in body["error"]
+        cluster.kube.pods.pop(("jhub", "jupyter-alice"))
+        pods.delete(wrong)
 
         # the spawner's placeholder: same image and volumes, `sleep infinity`, another pod
         placeholder = pods.run(["sleep", "infinity"], home)

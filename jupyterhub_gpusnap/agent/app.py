@@ -995,6 +995,11 @@ class AgentApp(Application):
             )
             remove_tree(scratch)
             return result
+        except BaseException:
+            # the unpacked checkpoint holds the server's memory (and may be GiBs): gone at
+            # once; CRIU's log stays for the error message that names it
+            await asyncio.to_thread(_keep_only_logs, scratch)
+            raise
         finally:
             self._busy.pop(key, None)
 
@@ -1135,6 +1140,23 @@ class AgentApp(Application):
                 "ClusterRole (helm-values/agent/rbac.yaml)",
             )
         return {"checks": checks}
+
+
+def _keep_only_logs(folder: Path) -> None:
+    """Delete everything under ``folder`` but CRIU's restore logs (``restore-*.log``) and the
+    folders holding them."""
+    if not folder.is_dir():
+        return
+    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        try:
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()  # only when empty: folders with a log stay
+            elif not (path.name.startswith("restore-") and path.name.endswith(".log")):
+                path.unlink()
+        except OSError:
+            continue
+    with contextlib.suppress(OSError):
+        folder.rmdir()
 
 
 def _has_rootfs_changes(archive: ContainerArchive) -> bool:
