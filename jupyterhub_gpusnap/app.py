@@ -125,9 +125,10 @@ class GpuSnap(Application):
     ).tag(config=True)
 
     proxy_url = Unicode(
-        help="The URL the service reaches single-user servers at, through the proxy, "
-        "e.g. http://127.0.0.1:8000 or http://proxy-public. Default: JUPYTERHUB_PUBLIC_URL or "
-        "derived from the Hub API URL's host on port 8000.",
+        help="The URL of the proxy as the service reaches it, e.g. http://127.0.0.1:8000 or "
+        "http://proxy-public: where JupyterPollSignal polls servers, and the default of public_url "
+        "(links in emails). Default: JUPYTERHUB_PUBLIC_URL or derived from the Hub API URL's host "
+        "on port 8000.",
     ).tag(config=True)
 
     @default("proxy_url")
@@ -242,9 +243,13 @@ class GpuSnap(Application):
 
     signal_classes = List(
         Type(klass=SignalSource),
-        help="Signal sources read for every server each tick. Default: Jupyter (kernels, terminals through "
-        "the proxy), local CPU (psutil over the process tree) and GPU (NVML). On Kubernetes use the agent or "
-        "Prometheus sources instead of the local ones.",
+        help="Signal sources read for every server each tick. Default: Jupyter (kernels and terminals, as "
+        "each server's gpusnap extension reports them), local CPU (psutil over the process tree) and GPU "
+        "(NVML). On Kubernetes use the agent or Prometheus sources instead of the local ones. For servers "
+        "whose image lacks the gpusnap server extension, list "
+        "jupyterhub_gpusnap.signals.jupyter.JupyterPollSignal instead of JupyterSignal (it polls them "
+        "through the proxy) and give the service's role access:servers (service_role(..., "
+        "jupyter_poll=True)); docs/security.md says what that lets the service's token do.",
     ).tag(config=True)
 
     @default("signal_classes")

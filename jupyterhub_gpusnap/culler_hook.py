@@ -10,7 +10,10 @@ config file (``jupyterhub-idle-culler --config-file=culler_config.py``)::
     )
 
 The culler must have ``admin:server_state`` (for the server's pid) and ``access:servers``
-(to read kernels) in its role, besides its usual scopes. The culler's own ``--timeout`` stays
+(to read kernels) in its role, besides its usual scopes: the hook polls each server's kernels
+through the proxy (:class:`JupyterPollSignal`), since the servers report theirs to the gpusnap
+service only. That is the culler's trade-off to make (docs/security.md): the gpusnap service
+itself needs no access to any server. The culler's own ``--timeout`` stays
 the idle window; this hook adds the signals: a server the culler finds inactive is culled
 only when our signals have also been quiet for that long.
 """
@@ -23,7 +26,7 @@ import time
 from .hub import servers_of
 from .model import Sample, State
 from .policy import Rule, ServerStatus, step
-from .signals.jupyter import JupyterSignal
+from .signals.jupyter import JupyterPollSignal
 from .signals.local import LocalProcessSignal
 from .signals.nvml import NvmlSignal
 
@@ -36,7 +39,7 @@ class GpuSnapArbiter:
         self.proxy_url = proxy_url or os.environ.get("JUPYTERHUB_PUBLIC_URL", "http://127.0.0.1:8000")
         token = api_token or os.environ.get("JUPYTERHUB_API_TOKEN", "")
         self.sources = sources or [
-            JupyterSignal(proxy_url=self.proxy_url, api_token=token),
+            JupyterPollSignal(proxy_url=self.proxy_url, api_token=token),
             LocalProcessSignal(),
             NvmlSignal(),
         ]

@@ -43,7 +43,13 @@ c.Spawner.environment = {"GPUSNAP_SERVICE_URL": "http://127.0.0.1:@PORT@/service
 c.LocalBackend.checkpoint_dir = "@ROOT@/checkpoints"
 
 # The user's return restores the server by itself, with the "suspended … restoring" page.
-from jupyterhub_gpusnap.hubconfig import CUSTOM_SCOPES, TEMPLATE_PATH, service_role  # noqa: E402
+from jupyterhub_gpusnap.hubconfig import (  # noqa: E402
+    CUSTOM_SCOPES,
+    TEMPLATE_PATH,
+    server_token_scopes,
+    service_role,
+    user_role,
+)
 
 c.JupyterHub.template_paths = [TEMPLATE_PATH]
 c.JupyterHub.implicit_spawn_seconds = 3
@@ -63,9 +69,12 @@ c.JupyterHub.services = [
 ]
 # "admin" (password "demo") is the demo's Hub admin and sees every server on /services/gpusnap/admin.
 c.Authenticator.admin_users = {"admin"}
+# each server's extension reports its kernels to the service with the server's own token: the
+# token (and so its user) must reach the service; the service itself gets no access to servers
+c.Spawner.server_token_scopes = server_token_scopes("gpusnap")
 c.JupyterHub.load_roles = [
     service_role("gpusnap", email_from_auth_state=False),
-    {"name": "user", "scopes": ["self", "access:services!service=gpusnap"]},
+    user_role("gpusnap"),
     {"name": "gpusnap-admins", "scopes": ["custom:gpusnap:admin"], "users": ["admin"]},
 ]
 
