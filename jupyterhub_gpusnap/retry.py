@@ -3,13 +3,14 @@
 Registry pushes, API-server calls and node-agent calls go over networks with load
 balancers, ingress controllers and pods that restart: a 502 or a refused connection now
 says little about a second try. :class:`Backoff` retries such a call a bounded number
-of times, waiting longer each time (``first_delay`` doubling up to ``max_delay``, each
+of times, waiting longer each time (``retry_backoff`` doubling up to ``retry_backoff_max``, each
 wait drawn between half and all of it, so that many agents hit by the same outage do
 not come back in step). What is worth retrying is the caller's decision (``retryable``):
 never a 4xx, which another try would only repeat.
 
-Each client has its own Backoff (``parent`` = the client), so the settings apply to all
-(``c.Backoff.attempts``) or to one client: ``c.RegistryClient.Backoff…`` (registry pushes and
+The names are those of the email's retries (``Mailer.retries``, ``retry_backoff``,
+``retry_backoff_max``). Each client has its own Backoff (``parent`` = the client), so the settings apply to all
+(``c.Backoff.retries``) or to one client: ``c.RegistryClient.Backoff…`` (registry pushes and
 pulls, in the agent), ``c.AgentLocator.Backoff…`` (the service's API-server and agent calls),
 ``c.SnapKubeSpawner.Backoff…`` (the spawner's).
 """
@@ -30,37 +31,41 @@ T = TypeVar("T")
 class Backoff(LoggingConfigurable):
     """How often and how patiently a failed call is tried again."""
 
-    attempts = Integer(
-        6,
-        help="Tries of one call (the first included) before its error is final. 1: no retry. "
-        "For a chunked registry upload this counts the tries of one chunk: a chunk that "
-        "gets through starts the count again. Raise it for a registry or API server behind a "
-        "flaky load balancer; errors the other side means (any 4xx) are never retried.",
+    retries = Integer(
+        5,
+        help="How many times a failed call is tried again before its error is final (so "
+        "1 + retries tries); 0: no retry. For a chunked registry upload this counts the "
+        "failures of one chunk: a chunk that gets through starts the count again. Raise it for "
+        "a registry or API server behind a flaky load balancer; errors the other side means "
+        "(any 4xx) are never retried.",
     ).tag(config=True)
 
-    first_delay = Float(
+    retry_backoff = Float(
         1.0,
-        help="Seconds before the second try; each further wait doubles, up to max_delay. "
-        "Every wait is drawn at random between half and all of it (jitter).",
+        help="Seconds before the first retry; each further wait doubles, up to "
+        "retry_backoff_max. Every wait is drawn at random between half and all of it (jitter).",
     ).tag(config=True)
 
-    max_delay = Float(
+    retry_backoff_max = Float(
         30.0,
         help="Longest wait in seconds between two tries. With the defaults a call that keeps "
         "failing is given up after about 30 s of waiting (1 + 2 + 4 + 8 + 16 s, less jitter).",
     ).tag(config=True)
 
-    @validate("attempts")
-    def _at_least_one(self, proposal):
-        if proposal["value"] < 1:
-            raise TraitError(
-                f"Backoff.attempts must be at least 1 (1: no retry), not {proposal['value']}"
-            )
+    @validate("retries")
+    def _not_negative(self, proposal):
+        if proposal["value"] < 0:
+            raise TraitError(f"Backoff.retries must be 0 or more (0: no retry), not {proposal['value']}")
         return proposal["value"]
+
+    @property
+    def attempts(self) -> int:
+        """Tries of one call, the first included."""
+        return self.retries + 1
 
     def delay(self, failures: int) -> float:
         """The wait after ``failures`` failed tries in a row (1 = after the first)."""
-        full = min(self.max_delay, self.first_delay * (2 ** max(0, failures - 1)))
+        full = min(self.retry_backoff_max, self.retry_backoff * (2 ** max(0, failures - 1)))
         return random.uniform(full / 2, full)
 
     async def run(
@@ -70,7 +75,7 @@ class Backoff(LoggingConfigurable):
         what: str,
     ) -> T:
         """Await ``call()`` until it succeeds, raises what ``retryable`` refuses, or has
-        failed ``attempts`` times; the last error is raised then. ``what`` names the call in
+        failed ``1 + retries`` times; the last error is raised then. ``what`` names the call in
         the log lines that say a try failed and when the next comes."""
         failures = 0
         while True:

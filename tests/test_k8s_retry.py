@@ -41,9 +41,9 @@ def backend_through(proxy: FaultProxy, kube: FakeKube, tmp_path) -> KubernetesBa
     c.KubeAPI.api_url = proxy.url
     c.KubeAPI.token_file = str(token)
     c.AgentLocator.namespace = "jhub"
-    c.Backoff.first_delay = 0.01
-    c.Backoff.max_delay = 0.05
-    c.Backoff.attempts = 4
+    c.Backoff.retry_backoff = 0.01
+    c.Backoff.retry_backoff_max = 0.05
+    c.Backoff.retries = 3
     return KubernetesBackend(config=c)
 
 
@@ -116,9 +116,9 @@ async def test_a_push_that_fails_every_time_leaves_the_server_running(tmp_path):
         PodMapper__proc_root="/proc",
         PodMapper__cgroup_root=str(cgroup2_mount()),
         AgentApp__runtime_state_dirs=[str(oci_runtime.RUNC_ROOT)],
-        Backoff__first_delay=0.01,
-        Backoff__max_delay=0.05,
-        Backoff__attempts=3,
+        Backoff__retry_backoff=0.01,
+        Backoff__retry_backoff_max=0.05,
+        Backoff__retries=2,
     )
     work = Workload(tmp_path / "work").start()
     try:

@@ -80,8 +80,8 @@ def make_spawner(kube: FakeKube, agent: FakeAgent | None = None, **traits) -> Sn
     c.KubeAPI.token_file = str(token_file)
     c.AgentLocator.namespace = "jhub"
     # retries without the production waits
-    c.Backoff.first_delay = 0.01
-    c.Backoff.max_delay = 0.05
+    c.Backoff.retry_backoff = 0.01
+    c.Backoff.retry_backoff_max = 0.05
     if agent is not None:
         cfg.agent_namespace = "gpusnap-system"
         cfg.agent_port = agent.port

@@ -263,8 +263,8 @@ def hub_config(s) -> Config:
     c.KubernetesBackend.repository_template = f"{s.registry.host}/gpusnap/{{username}}"
     c.KubernetesBackend.registry_scheme = "http"
     c.KubernetesBackend.timeout = 120
-    c.Backoff.first_delay = 0.05
-    c.Backoff.max_delay = 0.2
+    c.Backoff.retry_backoff = 0.05
+    c.Backoff.retry_backoff_max = 0.2
     return c
 
 

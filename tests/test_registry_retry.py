@@ -4,7 +4,7 @@ behind tests/fault_proxy.py, which answers 502 to the requests a test names.
 A chunked upload that meets a 502 resumes where the registry is (``GET`` on the upload URL,
 ``Range``) instead of starting over; one the registry dropped starts again; idempotent
 requests are simply tried again; a push failing every time gives up after
-``Backoff.attempts`` tries with the registry's error, and the archive stays where it was;
+``1 + Backoff.retries`` tries with the registry's error, and the archive stays where it was;
 a 4xx is never tried again.
 """
 
@@ -46,8 +46,8 @@ async def proxy(registry):
 def quick(**backoff) -> Config:
     """Retries without the production waits (the number of tries is what is tested)."""
     c = Config()
-    c.Backoff.first_delay = 0.01
-    c.Backoff.max_delay = 0.05
+    c.Backoff.retry_backoff = 0.01
+    c.Backoff.retry_backoff_max = 0.05
     for k, v in backoff.items():
         setattr(c.Backoff, k, v)
     return c
@@ -140,7 +140,7 @@ async def test_a_push_failing_every_time_gives_up_and_leaves_the_archive(tmp_pat
     archive = archive_file(tmp_path)
     before = archive.read_bytes()
     proxy.faults = [Fault("PATCH", UPLOADS, nth=2, times=0)]  # from the second chunk on
-    shipper = Shipper(registry_scheme="http", chunk_size=CHUNK, config=quick(attempts=4))
+    shipper = Shipper(registry_scheme="http", chunk_size=CHUNK, config=quick(retries=3))
 
     with pytest.raises(AgentError) as raised:
         await shipper.to_registry(

@@ -499,8 +499,8 @@ class RegistryClient(LoggingConfigurable):
         Memory use stays at one chunk whatever the file's size. A chunk that fails for a
         moment is not simply sent again: the registry is asked how much of the upload it
         holds (:meth:`upload_offset`) and the upload goes on from there; one that dropped the
-        upload gets a new one from the first byte. ``backoff.attempts`` failures in a row
-        without progress give up, naming the last error.
+        upload gets a new one from the first byte. ``1 + backoff.retries`` failures in a
+        row without progress give up, naming the last error.
         """
         size = os.path.getsize(path)
         digest = _ChunkHasher()
