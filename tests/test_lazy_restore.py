@@ -337,6 +337,60 @@ async def test_a_daemon_that_dies_leaves_no_process_on_zeroed_memory(
     assert_gone(pids)
 
 
+#: A service restoring a checkpoint lazily (``SERVICE FOLDER STAGING``): prints the
+#: restored pid once the tree runs, then waits (for its SIGKILL).
+SERVICE = r"""
+import asyncio, json, sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from jupyterhub_gpusnap.checkpoint import lazy
+from jupyterhub_gpusnap.checkpoint.manifest import Manifest
+
+async def main(folder, staging):
+    m = Manifest.load(folder)
+    image = lazy.FilesImage(Path(folder), m.files, m.sizes, m.chunk_bytes)
+    lr = await lazy.restore(image, Path(staging), Path(staging) / "restore.pid",
+                            pool=ThreadPoolExecutor(2), tcp=m.tcp_mode, shell_job=m.shell_job)
+    print(json.dumps({"pid": lr.pid}), flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+"""
+
+
+async def test_a_service_that_dies_mid_transfer_leaves_no_process_on_zeroed_memory(
+    tmp_path, process_tree, staging, pool
+):
+    # The service (its page server) is SIGKILLed while the holder's buffer is still in the
+    # image: the daemon loses its page server and exits; the guard, holding the
+    # userfaultfds, kills the tree (without it the holder answers the peek with zeros).
+    backend, tree, m, folder, before = await suspended(
+        tmp_path, process_tree, "files", program=LOCKED_HOLDER
+    )
+    image_of(backend, m, folder, pool)  # the page sums
+    service = subprocess.Popen(
+        [sys.executable, "-c", SERVICE, str(folder), str(staging)],
+        stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        line = await asyncio.wait_for(asyncio.to_thread(service.stdout.readline), 120)
+        assert line, f"the service exited {service.wait()} before restoring"
+        tree.pid = json.loads(line)["pid"]
+        pids = tree_pids(tree.pid)
+        assert (await ask(tree.port, "get"))["digest"] == before["digest"]
+    finally:
+        service.kill()
+        service.wait()
+    last = before["size"] - 4096
+    with pytest.raises((OSError, asyncio.IncompleteReadError, json.JSONDecodeError)):
+        got = await ask(tree.port, f"peek {last}")
+        raise AssertionError(f"a process ran on after its service died and answered {got}")
+    deadline = time.monotonic() + 30
+    while any(is_alive(p) for p in pids) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert_gone(pids)
+
+
 # ---------------------------------------------------------------------- the sandbox
 
 

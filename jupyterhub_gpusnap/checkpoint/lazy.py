@@ -18,19 +18,19 @@ private file mappings, shared memory: a few MiB), read through the same checked 
 Failure: a page that fails its check is never answered; the faulting thread waits in
 the kernel while the whole tree is killed. The daemon dying would close the
 userfaultfds, and the kernel would then give the waiting threads zero-filled pages
-instead of theirs — so this process holds its own duplicates of the daemon's
-userfaultfds (``pidfd_getfd``) until every page is in: a dead daemon leaves the tree
-blocked, not wrong, and it is killed. Either way :attr:`LazyRestore.done` raises
-:class:`~.base.CheckpointError` naming the page, chunk or daemon log, with the tree gone.
-A failure before the tree runs raises from :func:`restore` itself, as an eager restore
-does.
+instead of theirs — so a guard process (:mod:`.uffd_guard`) holds duplicates of the
+daemon's userfaultfds until every page is in: a dead daemon leaves the tree blocked, not
+wrong, and it is killed; the service dying (its page server gone) makes the guard kill
+the tree. Either way :attr:`LazyRestore.done` raises :class:`~.base.CheckpointError`
+naming the page, chunk or daemon log, with the tree gone. A failure before the tree runs
+raises from :func:`restore` itself, as an eager restore does. docs/lazy-restore.md has
+the design and the figures.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import psutil
 
-from . import criu
+from . import criu, uffd_guard
 from .base import CheckpointError
 from .chunks import ChunkStore
 from .manifest import is_pages_file, verify_image
@@ -53,8 +53,6 @@ from .page_sums import SumsError, load_sums
 from .pagemap import PagemapError, eager_ranges, lazy_bytes, read_pagemaps
 
 LAZY_LOG = "lazy-pages.log"
-_SYS_PIDFD_GETFD = 438  # the same number on every architecture (asm-generic)
-_UFFD = "anon_inode:[userfaultfd]"
 
 
 # ---------------------------------------------------------------------- image sources
@@ -162,62 +160,6 @@ def stage(image: FilesImage | ChunksImage, dest: Path, pool: Executor):
     return pagemaps, sources
 
 
-# ---------------------------------------------------------------------- userfaultfd guard
-def _pidfd_getfd(pidfd: int, fd: int) -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
-    got = libc.syscall(_SYS_PIDFD_GETFD, pidfd, fd, 0)
-    if got < 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-    return got
-
-
-class UffdHold:
-    """Duplicates of a process's userfaultfds, so that they outlive it (see the module
-    docstring). :meth:`grab` takes those it has not taken yet; :meth:`release` closes all."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        self.fds: dict[tuple[int, str], int] = {}
-        try:
-            self.pidfd = os.pidfd_open(pid)
-        except OSError:
-            self.pidfd = None
-
-    def grab(self) -> int:
-        """Take new userfaultfds of the process; how many are held."""
-        if self.pidfd is None:
-            return len(self.fds)
-        try:
-            entries = os.listdir(f"/proc/{self.pid}/fd")
-        except OSError:
-            return len(self.fds)
-        for entry in entries:
-            try:
-                if os.readlink(f"/proc/{self.pid}/fd/{entry}") != _UFFD:
-                    continue
-                with open(f"/proc/{self.pid}/fdinfo/{entry}") as f:
-                    ino = next((line.split()[1] for line in f if line.startswith("ino:")), "")
-            except (OSError, StopIteration, IndexError):
-                continue
-            key = (int(entry), ino)
-            if key not in self.fds:
-                try:
-                    self.fds[key] = _pidfd_getfd(self.pidfd, int(entry))
-                except OSError:
-                    continue
-        return len(self.fds)
-
-    def release(self) -> None:
-        for fd in self.fds.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.fds.clear()
-        if self.pidfd is not None:
-            os.close(self.pidfd)
-            self.pidfd = None
-
-
 # ---------------------------------------------------------------------- the restore
 def _descendants(pid: int) -> list[int]:
     try:
@@ -295,7 +237,7 @@ async def restore(
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     serving = asyncio.ensure_future(server.serve(ours))
     daemon = None
-    hold = None
+    guard = None
     restore_task = None
 
     def close_sources() -> None:
@@ -303,8 +245,8 @@ async def restore(
             s.close()
 
     async def stop_all() -> None:
-        if hold is not None:
-            hold.release()
+        if guard is not None:  # the tree is gone or has all its memory: let go
+            await asyncio.to_thread(uffd_guard.release, guard)
         if daemon is not None and daemon.poll() is None:
             daemon.kill()
         if daemon is not None:
@@ -320,7 +262,7 @@ async def restore(
             )
         finally:
             theirs.close()
-        hold = UffdHold(daemon.pid)
+        guard = uffd_guard.start(daemon.pid, str(staging))
         restore_task = asyncio.ensure_future(
             criu.restore(
                 staging, pidfile, criu=criu_path, tcp=tcp, shell_job=shell_job,
@@ -330,7 +272,6 @@ async def restore(
         # A page failing its check while CRIU still restores: end that restore (and what
         # it made so far) before the daemon goes.
         while not restore_task.done():
-            hold.grab()
             waiter = asyncio.ensure_future(failed.wait())
             await asyncio.wait(
                 [restore_task, waiter], timeout=poll, return_when=asyncio.FIRST_COMPLETED
@@ -353,14 +294,13 @@ async def restore(
             restore_task.cancel()
         await stop_all()
         raise
-    hold.grab()
     lazy = LazyRestore(
         restored=restored, daemon=daemon, server=server, staging=staging,
         lazy_bytes=lazy_bytes(pagemaps), started=t0,
     )  # fmt: skip
     lazy.stats = {"staged_s": round(staged_s, 3), "running_s": round(time.monotonic() - t0, 3),
                   "lazy_bytes": lazy.lazy_bytes}  # fmt: skip
-    lazy.done = asyncio.ensure_future(_watch(lazy, hold, failed, stop_all, poll))
+    lazy.done = asyncio.ensure_future(_watch(lazy, failed, stop_all, poll))
     return lazy
 
 
@@ -375,15 +315,12 @@ def _criu_restores(staging: Path) -> list[int]:
     return out
 
 
-async def _watch(
-    lazy: LazyRestore, hold: UffdHold, failed: asyncio.Event, stop_all, poll: float
-) -> dict:
-    """Until every page is in: keep hold of new userfaultfds; on a failed page or a dead
-    daemon, kill the tree first, then let go."""
+async def _watch(lazy: LazyRestore, failed: asyncio.Event, stop_all, poll: float) -> dict:
+    """Until every page is in; on a failed page or a dead daemon, kill the tree first (the
+    guard holds the userfaultfds meanwhile), then let go."""
     daemon, server = lazy.daemon, lazy.server
     try:
         while daemon.poll() is None and not failed.is_set():
-            hold.grab()
             waiter = asyncio.ensure_future(failed.wait())
             await asyncio.wait([waiter], timeout=poll)
             waiter.cancel()
@@ -406,6 +343,11 @@ async def _watch(
             read_s=round(server.read_s, 3),
         )
         return lazy.stats
+    except asyncio.CancelledError:
+        # Nobody will serve the rest of its memory (this service is going): the tree
+        # cannot be finished, and must not run on zero pages once the daemon is gone.
+        if daemon.poll() != 0:
+            kill_restored(lazy.restored.criu.pid)
+        raise
     finally:
-        hold.release()
         await stop_all()
