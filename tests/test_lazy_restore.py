@@ -297,6 +297,9 @@ async def test_missing_page_sums_refuse_a_lazy_restore_of_files(
     backend, tree, m, folder, _ = await suspended(tmp_path, process_tree, "files")
     image = image_of(backend, m, folder, pool)
     name = next(n for n in m.files if is_pages_file(n))
+    flip(folder / sums_name(name), 100)  # damaged sums are not trusted either
+    with pytest.raises(CheckpointError, match=rf"{name}: {sums_name(name)} is damaged"):
+        await restore_lazily(image, staging, m, pool)
     (folder / sums_name(name)).unlink()
     with pytest.raises(CheckpointError, match=rf"{name}: no page checksums"):
         await restore_lazily(image, staging, m, pool)
