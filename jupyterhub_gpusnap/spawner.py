@@ -517,7 +517,13 @@ class SnapSpawnerMixin(LocalProcessSpawner):
         env = self.get_env()
         cmd = self.server_command(env)
         log_path = self.server_log_path()
-        os.makedirs(os.path.dirname(log_path), mode=0o700, exist_ok=True)
+        # the backend's own way when it has one: missing parts 0700 inside checkpoint_dir,
+        # where a plain makedirs would leave <checkpoint_dir> and <user> open to others
+        make = getattr(self.backend, "make_private_dirs", None)
+        if make is not None:
+            make(os.path.dirname(log_path))
+        else:
+            os.makedirs(os.path.dirname(log_path), mode=0o700, exist_ok=True)
         full = sandbox.command(cmd, log_path, user=self.sandbox_user())
         self.log.info("%s: spawning %s", self.server_key, " ".join(shlex.quote(s) for s in full))
         popen_kwargs = dict(preexec_fn=self.make_preexec_fn(self.user.name), start_new_session=True)

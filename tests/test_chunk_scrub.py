@@ -245,3 +245,22 @@ async def test_scrub_runs_a_full_pass_when_due_and_checks_what_it_can_open(tmp_p
     report = await backend.scrub(full=True)
     assert report["unchecked"] == report["chunks"] > 0 and not report["damaged"]
     assert {c.status for c in await backend.list()} == {"verified"}
+
+
+async def test_an_unpack_by_hand_reads_a_damaged_chunk_from_its_replica(tmp_path, process_tree):
+    """`jupyterhub-gpusnap unpack` (recovery by hand) finds the replicas where LocalBackend
+    keeps them, as a restore does: a flipped bit in a shared chunk does not stop it."""
+    from jupyterhub_gpusnap.unpack_cli import main as unpack_main
+
+    keys = tmp_path / "keys"
+    keys.write_text(new_key_line("k1") + "\n")
+    keys.chmod(0o600)
+    backend = make_backend(tmp_path, encryption_key_file=str(keys))
+    trees, infos, before, shared = await suspend_two(backend, process_tree)
+    await backend.scrub(full=False)
+    store = backend.chunk_store()
+    good = flip_bit(store.path("k1", shared[0]))
+    out = tmp_path / "by-hand"
+    assert unpack_main([str(backend.folder(infos[0].id)), str(out), "--key-file", str(keys)]) == 0
+    assert {p.name for p in out.iterdir()} == set(Manifest.load(backend.folder(infos[0].id)).files)
+    assert store.path("k1", shared[0]).read_bytes() == good  # and the chunk is mended

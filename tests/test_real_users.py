@@ -14,6 +14,7 @@ on the CRIU that .ci/install-criu.sh builds, which reads them from /proc/<pid>/l
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 
 import psutil
@@ -54,6 +55,9 @@ async def test_users_servers_run_as_themselves_and_come_back_as_themselves(
     backend = LocalBackend(checkpoint_dir=str(ckpt), min_free_bytes=0)
 
     await hub.start_server(alice.pw_name)
+    # the server's log folder came first: what the spawner made of checkpoint_dir is root's alone
+    for folder in (ckpt, ckpt / alice.pw_name):
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o700, folder
     kid, out = await hub.execute(
         alice.pw_name,
         "import os\nx = 42\nprint(os.getuid(), os.getgid(), os.getpid(), os.path.expanduser('~'))",

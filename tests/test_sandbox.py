@@ -21,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -700,6 +701,10 @@ async def test_a_criu_that_cannot_read_another_users_limits_is_refused_up_front(
 @pytest.mark.criu
 async def test_the_probe_tries_the_criu_it_is_given(tmp_path, monkeypatch):
     monkeypatch.setattr(criu, "_foreign_limits", {})
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))  # the probe's folder, away from other runs
+    monkeypatch.setattr(tempfile, "tempdir", None)
     # the CRIU CI installs dumps a process of the user nobody (the probe's own sleeper)
     assert await criu.reads_foreign_limits()
     # one that fails the dump (as upstream CRIU does without CAP_SYS_RESOURCE) reads as no
@@ -708,7 +713,7 @@ async def test_the_probe_tries_the_criu_it_is_given(tmp_path, monkeypatch):
     fake.chmod(0o755)
     assert await criu.reads_foreign_limits(str(fake)) is False
     assert criu._foreign_limits == {criu.find_criu(): True, str(fake): False}
-    assert not list(Path("/tmp").glob("gpusnap-criu-probe-*"))  # nothing left behind
+    assert not list(scratch.iterdir())  # nothing left behind
 
 
 # ---------------------------------------------------------------------- 9. waiting for the port
