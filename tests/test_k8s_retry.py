@@ -4,11 +4,15 @@ with backoff, a 4xx never is; a create or delete whose answer was lost is not do
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+from pathlib import Path
 
 import pytest
 from fake_kube import HUB_USER, FakeKube
 from fault_proxy import Fault, FaultProxy
+from traitlets import TraitError
 from traitlets.config import Config
 
 from jupyterhub_gpusnap.agent.errors import AgentError
@@ -101,7 +105,8 @@ async def test_api_server_errors_that_mean_no_are_not_tried_again(kube, proxy, t
 async def test_a_push_that_fails_every_time_leaves_the_server_running(tmp_path):
     """Service → real agent → kubelet (real runc container) → a registry whose gateway
     refuses every chunk: the checkpoint fails after a bounded number of tries, saying so,
-    and the server's container runs on; nothing is recorded."""
+    and the server's container runs on; nothing is recorded. The kubelet's archive stays
+    on the node (one per container) until a later checkpoint of the container ships."""
     import oci_runtime
     from fake_kube import Cluster, Workload, cgroup2_mount
     from registry import Registry
@@ -147,8 +152,71 @@ async def test_a_push_that_fails_every_time_leaves_the_server_running(tmp_path):
         seen = len(work.lines())
         await work.wait_lines(seen + 2)  # the container runs on
         assert work.alive() and cluster.kube.deleted == []
+        # the archive stays on the node, marked as kept
+        kept = list(cluster.kube.checkpoints.iterdir())
+        assert len(kept) == 1 and cluster.agent.kept_archives.kept() == kept
+
+        # the registry is back: the next checkpoint ships, and the kept archive goes with its own
+        gateway.faults = []
+        info = await backend.checkpoint(
+            Server(user="alice", name="", state={"pod_name": "jupyter-alice", "namespace": "jhub"})
+        )
+        assert info.status == "verified" and len(cluster.kube.configmaps) == 1
+        assert cluster.kube.checkpointed == ["jhub/jupyter-alice/notebook"] * 2
+        assert list(cluster.kube.checkpoints.iterdir()) == []
+        assert cluster.agent.kept_archives.kept() == []
     finally:
         work.close()
         await cluster.stop()
         await gateway.stop()
         registry.stop()
+
+
+async def test_kept_archives_older_than_the_limit_are_swept_at_start_and_while_running(tmp_path):
+    """Archives kept after a failed push of a container never checkpointed again do not stay
+    forever: the agent deletes those older than kept_archive_max_age when it starts and
+    while it runs; archives it did not keep (an admin's) are never touched."""
+    import os
+
+    from fake_kube import Cluster
+
+    from jupyterhub_gpusnap.agent.kept import KeptArchives
+
+    folder = tmp_path / "kube" / "checkpoints"
+    folder.mkdir(parents=True)
+
+    def archive(pod: str) -> Path:
+        path = folder / f"checkpoint-{pod}_jhub-notebook-2026-11-01T10:00:00Z.tar"
+        path.write_bytes(b"memory of " + pod.encode())
+        return path
+
+    old, fresh, admins = archive("jupyter-old"), archive("jupyter-fresh"), archive("jupyter-admin")
+    marks = KeptArchives(tmp_path / "restore" / ".kept-archives", logging.getLogger("test"))
+    marks.add(old)
+    marks.add(fresh)
+    two_days_ago = time.time() - 2 * 86400
+    os.utime(marks.folder / f"{old.name}.kept", (two_days_ago, two_days_ago))
+
+    cluster = Cluster(tmp_path)
+    await cluster.start()  # default limit: one day
+    try:
+        assert cluster.agent.kept_archive_max_age == 86400
+        assert sorted(folder.iterdir()) == sorted([fresh, admins])  # swept at start
+        assert cluster.agent.kept_archives.kept() == [fresh]
+
+        # while running: with a limit of 2 s the fresh one goes too, the admin's stays
+        cluster.agent.kept_archive_max_age = 2
+        cluster.agent._sweeper.cancel()
+        cluster.agent._sweeper = asyncio.ensure_future(cluster.agent._sweep_kept_periodically())
+        for _ in range(300):
+            if not fresh.exists():
+                break
+            await asyncio.sleep(0.1)
+        assert list(folder.iterdir()) == [admins]
+        assert cluster.agent.kept_archives.kept() == []
+        assert not marks.folder.exists()
+    finally:
+        await cluster.stop()
+
+    with pytest.raises(TraitError, match="kept_archive_max_age must be 0 or more"):
+        cluster.agent.kept_archive_max_age = -1

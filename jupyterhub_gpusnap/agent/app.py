@@ -8,7 +8,9 @@ request carries ``Authorization: Bearer <token>``; errors are
 - ``GET /v1/signals?pod=NS/POD…`` → per-pod ``cpu_percent``, ``gpu_percent``,
   ``gpu_memory_bytes``, ``gpu_count``
 - ``POST /v1/checkpoint`` → freeze GPU memory, kubelet checkpoint, ship + verify,
-  delete the node's archive; on failure the GPU is resumed and the container runs on.
+  delete the node's archive; on failure the GPU is resumed and the container runs on
+  (an archive whose push failed on the registry's or PVC's side stays on the node until a
+  checkpoint of that container ships, at most ``kept_archive_max_age``; see :mod:`.kept`).
   The image records what its GPU memory needs (GPU model, devices, driver; see
   :mod:`~jupyterhub_gpusnap.checkpoint.gpucompat`), and so does the reply (``gpu``)
 - ``POST /v1/restore`` → refuse (409) a checkpoint whose GPU memory this node's GPUs
@@ -75,6 +77,7 @@ from .handlers import (
     SignalsHandler,
     UnparkHandler,
 )
+from .kept import KeptArchives
 from .kubelet import KubeAPI, KubeletClient
 from .placeholder import JOINABLE_NAMESPACES, PLACEHOLDER_ANNOTATION, Placeholder, pick_root
 from .pods import CpuMeter, PodMapper, container_id
@@ -267,6 +270,25 @@ class AgentApp(Application):
         "folder it names.",
     ).tag(config=True)
 
+    kept_archive_max_age = Float(
+        86400.0,
+        help="Seconds a kubelet archive kept on the node after a push that failed on the "
+        "registry's or PVC's side (5xx) may stay there when no later checkpoint of its "
+        "container ships (a shipped checkpoint deletes it at once). Older ones are deleted "
+        "when the agent starts and while it runs: they hold a server's memory in the "
+        "kubelet's folder, which nothing else cleans. 0: keep them until a checkpoint of "
+        "their container ships.",
+    ).tag(config=True)
+
+    @validate("kept_archive_max_age")
+    def _check_kept_age(self, proposal):
+        if proposal["value"] < 0:
+            raise TraitError(
+                f"AgentApp.kept_archive_max_age must be 0 or more seconds (0: no age limit), "
+                f"not {proposal['value']}"
+            )
+        return proposal["value"]
+
     cpu_sample_seconds = Float(
         1.0,
         help="When a pod is read for the first time, seconds between the two cpu.stat readings "
@@ -312,6 +334,7 @@ class AgentApp(Application):
         self._review_budget: tuple[float, float] | None = None  # (reviews left, at when)
         self._criu: str | None = None
         self._restored: list = []
+        self._sweeper: asyncio.Task | None = None
         self.server: HTTPServer | None = None
 
     # -- start-up -----------------------------------------------------------------------
@@ -369,6 +392,8 @@ class AgentApp(Application):
             )
         self._criu = await criu_tools.criu_version(self.criu_path)
         await self.resume_interrupted()
+        self.sweep_kept()
+        self._sweeper = asyncio.ensure_future(self._sweep_kept_periodically())
         self.server = HTTPServer(self.make_app())
         self.server.listen(self.port, self.ip)
         if self.port == 0:
@@ -427,8 +452,30 @@ class AgentApp(Application):
             marker.unlink(missing_ok=True)
         return resumed
 
+    @property
+    def kept_archives(self) -> KeptArchives:
+        """Archives kept on the node after a failed push (markers on the restore_dir hostPath)."""
+        return KeptArchives(Path(self.restore_dir) / ".kept-archives", self.log)
+
+    def sweep_kept(self) -> list[Path]:
+        """Delete archives kept longer than kept_archive_max_age."""
+        return self.kept_archives.sweep(self.kept_archive_max_age)
+
+    async def _sweep_kept_periodically(self) -> None:
+        # a quarter of the age limit between sweeps (at most an hour): an archive goes at
+        # most 25% past its limit
+        while True:
+            await asyncio.sleep(min(3600.0, max(0.1, self.kept_archive_max_age / 4 or 3600.0)))
+            try:
+                self.sweep_kept()
+            except Exception:
+                self.log.exception("sweeping kept checkpoint archives failed; trying again later")
+
     async def stop_server(self) -> None:
         self._restored = [r for r in self._restored if r.reap() is None]
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         if self.server:
             self.server.stop()
             await self.server.close_all_connections()
@@ -708,6 +755,7 @@ class AgentApp(Application):
         suspended = await self.cuda.suspend(gpu_pids) if gpu_pids else []
         marker = self._mark_in_progress(ns, name, container, suspended)
         archive: Path | None = None
+        keep = False  # the archive stays on the node: its push failed on the far side
         try:
             gpu = await asyncio.to_thread(self._gpu_needs, held, suspended)
             path = await self.kubelet.checkpoint(self.node_name, ns, name, container, timeout)
@@ -719,21 +767,25 @@ class AgentApp(Application):
                     500,
                 )
             created = time.time()
-            if target["kind"] == "registry":
-                shipped = await self.shipper.to_registry(
-                    archive,
-                    need(target, "repository"),
-                    container,
-                    server,
-                    gpu_bytes,
-                    created,
-                    gpu=gpu,
-                )
-            else:
-                folder = self.pvc_folder(target)
-                shipped = await self.shipper.to_pvc(
-                    archive, folder, server, gpu_bytes, created, gpu=gpu
-                )
+            try:
+                if target["kind"] == "registry":
+                    shipped = await self.shipper.to_registry(
+                        archive,
+                        need(target, "repository"),
+                        container,
+                        server,
+                        gpu_bytes,
+                        created,
+                        gpu=gpu,
+                    )
+                else:
+                    folder = self.pvc_folder(target)
+                    shipped = await self.shipper.to_pvc(
+                        archive, folder, server, gpu_bytes, created, gpu=gpu
+                    )
+            except AgentError as e:
+                keep = e.code >= 500  # the registry's or volume's fault, not the request's
+                raise
         except BaseException as e:
             if suspended:
                 await self.cuda.resume(suspended)
@@ -746,10 +798,22 @@ class AgentApp(Application):
                 marker.unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
                     marker.parent.rmdir()  # only once no other checkpoint is under way
-            if archive is not None:
+            if keep:
+                self.log.warning(
+                    "%s: the checkpoint archive %s stays on the node until a checkpoint of "
+                    "%s/%s/%s ships (at most AgentApp.kept_archive_max_age = %gs)",
+                    server, archive, ns, name, container, self.kept_archive_max_age,
+                )  # fmt: skip
+                self.kept_archives.add(archive)
+            elif archive is not None:
                 delete_local(archive, self.log)
-            # archives a timed-out kubelet call finished writing later
-            sweep_archives(Path(self.checkpoint_dir), ns, name, container, self.log)
+            # archives a timed-out kubelet call finished writing later, and one kept after
+            # an earlier failed push (at most one per container is kept)
+            removed = sweep_archives(
+                Path(self.checkpoint_dir), ns, name, container, self.log,
+                keep=archive if keep else None,
+            )  # fmt: skip
+            self.kept_archives.forget(removed + ([] if keep or archive is None else [archive]))
         self.log.info(
             "checkpoint of %s (pod %s/%s) verified as %s (%d bytes, %d GPU bytes) in %.1fs",
             server,
