@@ -19,7 +19,8 @@ image is dropped from the page cache before each restore (the disk is read).
 (:func:`~jupyterhub_gpusnap.checkpoint.page_sums.write_sums`, which checks the manifest's
 checksums in the same pass), next to ``suspend_s``, the checkpoint call itself.
 ``served_mib`` / ``fault_requests``: what the page server sent, and how many of its
-requests were single-page faults (the rest: the daemon's background transfer).
+requests were for one page (page faults, and one-page ranges of the daemon's background
+transfer; the rest is background transfer).
 
 Usage: ``python bench/lazy_restore.py [--gib 0.2 1 2] [--restores N] [--warm] [--name NAME]``
 → bench/results/lazy_restore.json (or NAME.json; ``--warm``: the image is left in the page

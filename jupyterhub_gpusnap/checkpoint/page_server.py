@@ -70,7 +70,7 @@ class PageServer:
         self.failure: Exception | None = None
         self.closed = asyncio.Event()  # the daemon said it is done
         self.requests = 0
-        self.faults = 0  # one-page requests: the process waited on them
+        self.faults = 0  # one-page requests: faults (and one-page background ranges)
         self.bytes = 0
         self.read_s = 0.0  # thread time spent reading and checking
         self.first_at: float | None = None
