@@ -194,8 +194,8 @@ class JupyterSignal(SignalSource):
 
     proxy_url = Unicode(
         "http://127.0.0.1:8000",
-        help="""Public URL of JupyterHub (its proxy) as this service reaches it, without a
-        trailing path, e.g. ``http://127.0.0.1:8000`` or ``http://proxy-public.jhub.svc``.
+        help="""Only for JupyterPollSignal (polling): public URL of JupyterHub (its proxy) as this
+        service reaches it, without a trailing path, e.g. ``http://127.0.0.1:8000`` or ``http://proxy-public.jhub.svc``.
         Each server is read at this URL plus its prefix (``/user/alice/``), so a
         ``JupyterHub.base_url`` belongs in the server's URL, not here.""",
     ).tag(config=True)
@@ -214,7 +214,8 @@ class JupyterSignal(SignalSource):
 
     request_timeout = Float(
         5.0,
-        help="""Seconds one HTTP request to a server may take (connect and read).
+        help="""Only for JupyterPollSignal (polling): seconds one HTTP request to a server may take
+        (connect and read).
         Keep it below ``timeout``, which bounds the whole reading of one server.""",
     ).tag(config=True)
 
@@ -239,7 +240,8 @@ class JupyterSignal(SignalSource):
 
     direct = Bool(
         True,
-        help="""Reach a server directly at the address its spawner records in the spawner state
+        help="""Only for JupyterPollSignal (polling): reach a server directly at the address its
+        spawner records in the spawner state
         (``gpusnap_url``, set by the Snap spawners) instead of through the proxy. The proxy counts
         every request it forwards as activity (configurable-http-proxy updates the route's
         last_activity, which the Hub then reports), so polling through it would move the Hub's
