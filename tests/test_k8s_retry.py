@@ -101,6 +101,60 @@ async def test_api_server_errors_that_mean_no_are_not_tried_again(kube, proxy, t
     assert proxy.faults[0].hits == 4
 
 
+async def test_the_agents_api_server_calls_survive_a_failing_gateway(kube, proxy, tmp_path):
+    """The agent's KubeAPI (what it looks pods and nodes up with, and reviews tokens with):
+    a 502 is tried again; a create or delete whose answer was lost counts as done on the
+    next try's 409/404 rather than being done twice; a first 404 is an error; a periodic
+    read (retry=False) tries once."""
+    from jupyterhub_gpusnap.agent.kubelet import KubeAPI
+
+    token = tmp_path / "agent-token"
+    token.write_text(kube.add_token("system:serviceaccount:gpusnap:agent"))
+    c = Config()
+    c.Backoff.retry_backoff = 0.01
+    c.Backoff.retry_backoff_max = 0.05
+    c.KubeAPI.api_url = proxy.url
+    c.KubeAPI.token_file = str(token)
+    api = KubeAPI(config=c)
+    assert api.backoff.retries == 5 and api.backoff.retry_backoff == 0.01
+    kube.add_node("gpu-node-1")
+    pod = r"^/api/v1/namespaces/jhub/pods/jupyter-alice$"
+    kube.add_pod("jhub", "jupyter-alice", "gpu-node-1")
+
+    proxy.faults = [Fault("GET", pod, status=502)]
+    assert (await api.get_pod("jhub", "jupyter-alice"))["metadata"]["name"] == "jupyter-alice"
+    assert proxy.count("GET", pod) == 2 and proxy.faults[0].hits == 1
+
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "x"}, "data": {}}
+    proxy.faults = [
+        Fault("POST", CONFIGMAPS + "$", when="after", status=502),
+        Fault("DELETE", CONFIGMAPS + "/x$", when="after", status=503),
+    ]
+    assert await api.request("POST", "/api/v1/namespaces/jhub/configmaps", body=cm) == {}
+    assert list(kube.configmaps) == [("jhub", "x")]
+    await api.request("DELETE", "/api/v1/namespaces/jhub/configmaps/x")
+    assert kube.configmaps == {}
+    assert [
+        (m, code)
+        for m, p, _, code in proxy.forwarded
+        if p.startswith("/api/v1/namespaces/jhub/configmaps")
+    ] == [("POST", 201), ("POST", 409), ("DELETE", 200), ("DELETE", 404)]
+    # a 409 or 404 on the first try is the API server's answer, not a lost one
+    with pytest.raises(AgentError) as raised:
+        await api.request("DELETE", "/api/v1/namespaces/jhub/configmaps/x")
+    assert raised.value.code == 404
+    await api.request("POST", "/api/v1/namespaces/jhub/configmaps", body=cm)
+    with pytest.raises(AgentError) as raised:
+        await api.request("POST", "/api/v1/namespaces/jhub/configmaps", body=cm)
+    assert raised.value.code == 409
+
+    # a periodic read: one try, the caller's next tick is the retry
+    proxy.faults = [Fault("GET", r"^/api/v1/pods", status=502)]
+    with pytest.raises(AgentError) as raised:
+        await api.list_pods(field_selector="spec.nodeName=gpu-node-1", retry=False)
+    assert raised.value.code == 502 and proxy.count("GET", r"^/api/v1/pods") == 1
+
+
 @pytest.mark.criu
 async def test_a_push_that_fails_every_time_leaves_the_server_running(tmp_path):
     """Service → real agent → kubelet (real runc container) → a registry whose gateway
@@ -117,7 +171,9 @@ async def test_a_push_that_fails_every_time_leaves_the_server_running(tmp_path):
     registry = await Registry(tmp_path / "registry").start()
     gateway = await FaultProxy(f"http://{registry.host}").start()
     cluster = Cluster(tmp_path)
+    api_gateway = await FaultProxy(cluster.kube.api_url).start()  # the agent's API server
     await cluster.start(
+        KubeAPI__api_url=api_gateway.url,
         PodMapper__proc_root="/proc",
         PodMapper__cgroup_root=str(cgroup2_mount()),
         AgentApp__runtime_state_dirs=[str(oci_runtime.RUNC_ROOT)],
@@ -140,7 +196,9 @@ async def test_a_push_that_fails_every_time_leaves_the_server_running(tmp_path):
 
         with pytest.raises(CheckpointError) as raised:
             await backend.checkpoint(
-                Server(user="alice", name="", state={"pod_name": "jupyter-alice", "namespace": "jhub"})
+                Server(
+                    user="alice", name="", state={"pod_name": "jupyter-alice", "namespace": "jhub"}
+                )
             )
 
         message = str(raised.value)
@@ -156,8 +214,10 @@ async def test_a_push_that_fails_every_time_leaves_the_server_running(tmp_path):
         kept = list(cluster.kube.checkpoints.iterdir())
         assert len(kept) == 1 and cluster.agent.kept_archives.kept() == kept
 
-        # the registry is back: the next checkpoint ships, and the kept archive goes with its own
+        # the registry is back: the next checkpoint ships, and the kept archive goes with its
+        # own; the agent's pod lookup meets a 502 on the way and is tried again
         gateway.faults = []
+        api_gateway.faults = [Fault("GET", r"^/api/v1/namespaces/jhub/pods/jupyter-alice$")]
         info = await backend.checkpoint(
             Server(user="alice", name="", state={"pod_name": "jupyter-alice", "namespace": "jhub"})
         )
@@ -165,9 +225,11 @@ async def test_a_push_that_fails_every_time_leaves_the_server_running(tmp_path):
         assert cluster.kube.checkpointed == ["jhub/jupyter-alice/notebook"] * 2
         assert list(cluster.kube.checkpoints.iterdir()) == []
         assert cluster.agent.kept_archives.kept() == []
+        assert api_gateway.faults[0].hits == 1
     finally:
         work.close()
         await cluster.stop()
+        await api_gateway.stop()
         await gateway.stop()
         registry.stop()
 

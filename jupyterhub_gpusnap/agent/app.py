@@ -556,8 +556,11 @@ class AgentApp(Application):
     # -- the work -----------------------------------------------------------------------
 
     async def node_pods(self) -> dict[str, dict]:
-        """Pods scheduled on this node, by ``namespace/name``."""
-        pods = await self.api.list_pods(field_selector=f"spec.nodeName={self.node_name}")
+        """Pods scheduled on this node, by ``namespace/name``. One try: the readers
+        (signals, GPU memory, doctor) are called periodically, their next call is the retry."""
+        pods = await self.api.list_pods(
+            field_selector=f"spec.nodeName={self.node_name}", retry=False
+        )
         return {f"{p['metadata']['namespace']}/{p['metadata']['name']}": p for p in pods}
 
     async def signals(self, keys: list[str]) -> dict:

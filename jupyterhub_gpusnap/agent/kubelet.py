@@ -29,9 +29,10 @@ from pathlib import Path
 from urllib.parse import quote, urlencode
 
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
-from traitlets import Bool, Enum, Float, Integer, Unicode, default
+from traitlets import Bool, Enum, Float, Instance, Integer, Unicode, default
 from traitlets.config import LoggingConfigurable
 
+from ..retry import Backoff
 from .errors import AgentError
 
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
@@ -79,6 +80,13 @@ class KubeAPI(LoggingConfigurable):
 
     request_timeout = Float(20.0, help="Seconds one API server request may take.").tag(config=True)
 
+    backoff = Instance(Backoff)
+
+    @default("backoff")
+    def _default_backoff(self) -> Backoff:
+        # c.KubeAPI.Backoff… (the agent's); the hub side passes the AgentLocator's
+        return Backoff(parent=self)
+
     def token(self) -> str:
         try:
             return Path(self.token_file).read_text().strip()
@@ -97,8 +105,51 @@ class KubeAPI(LoggingConfigurable):
         query: dict | None = None,
         timeout: float | None = None,
         ok: tuple[int, ...] = (200, 201),
+        retry: bool = True,
     ) -> dict:
-        """Send a JSON request; raise AgentError (with the RBAC verb to grant on 403)."""
+        """Send a JSON request; raise AgentError (with the RBAC verb to grant on 403).
+
+        No answer and 5xx are tried again with :attr:`backoff`, a 4xx never is. A create
+        (POST) answered 409 AlreadyExists, or a DELETE answered 404, on a second or later try
+        means an earlier try went through and only its answer was lost: done, ``{}`` is
+        returned (the object is not created or deleted twice). ``retry=False``: one try (a
+        periodic read, whose next tick is its retry).
+        """
+        once = lambda: self._request_once(method, path, body, query, timeout, ok)  # noqa: E731
+        if not retry:
+            return await once()
+        done_if = {"POST": 409, "DELETE": 404}.get(method)
+        tries = 0
+
+        async def attempt() -> dict:
+            nonlocal tries
+            tries += 1
+            try:
+                return await once()
+            except AgentError as e:
+                if tries > 1 and e.code == done_if:
+                    self.log.info(
+                        "API server: %s %s answered %d on try %d: an earlier try went through",
+                        method, path, e.code, tries,
+                    )  # fmt: skip
+                    return {}
+                raise
+
+        return await self.backoff.run(
+            attempt,
+            lambda e: isinstance(e, AgentError) and e.code >= 500,
+            f"API server: {method} {path}",
+        )
+
+    async def _request_once(
+        self,
+        method: str,
+        path: str,
+        body: dict | None,
+        query: dict | None,
+        timeout: float | None,
+        ok: tuple[int, ...],
+    ) -> dict:
         url = self.api_url.rstrip("/") + path
         if query:
             url += "?" + urlencode(query)
@@ -164,7 +215,11 @@ class KubeAPI(LoggingConfigurable):
         )
 
     async def list_pods(
-        self, namespace: str | None = None, label_selector: str = "", field_selector: str = ""
+        self,
+        namespace: str | None = None,
+        label_selector: str = "",
+        field_selector: str = "",
+        retry: bool = True,
     ) -> list[dict]:
         path = f"/api/v1/namespaces/{quote(namespace)}/pods" if namespace else "/api/v1/pods"
         query = {}
@@ -172,7 +227,7 @@ class KubeAPI(LoggingConfigurable):
             query["labelSelector"] = label_selector
         if field_selector:
             query["fieldSelector"] = field_selector
-        return (await self.request("GET", path, query=query)).get("items") or []
+        return (await self.request("GET", path, query=query, retry=retry)).get("items") or []
 
     async def get_node(self, name: str) -> dict:
         return await self.request("GET", f"/api/v1/nodes/{quote(name)}")

@@ -116,41 +116,17 @@ class AgentLocator(LoggingConfigurable):
 
     api = Instance(KubeAPI)
 
-    @default("api")
-    def _api(self) -> KubeAPI:
-        return KubeAPI(parent=self)
-
     backoff = Instance(Backoff)
 
     @default("backoff")
     def _default_backoff(self) -> Backoff:
         return Backoff(parent=self)
 
-    async def kube(self, what: str, call, done_if: int = 0, retry: bool = True):
-        """An API-server call (``call()``), tried again on no answer and 5xx, never on 4xx.
-
-        ``done_if``: the status that, on a second try, says the first one went through
-        though its answer was lost (409 AlreadyExists for a create, 404 for a delete);
-        then None is returned. ``retry=False``: one try (a periodic read, whose next tick
-        is its retry).
-        """
-        if not retry:
-            return await call()
-        tries = 0
-
-        async def once():
-            nonlocal tries
-            tries += 1
-            try:
-                return await call()
-            except AgentError as e:
-                if tries > 1 and done_if and e.code == done_if:
-                    return None
-                raise
-
-        return await self.backoff.run(
-            once, lambda e: isinstance(e, AgentError) and e.code >= 500, f"API server: {what}"
-        )
+    @default("api")
+    def _api(self) -> KubeAPI:
+        # API-server calls retry (no answer, 5xx) with the locator's Backoff:
+        # c.AgentLocator.Backoff… covers them as it covers the agent calls
+        return KubeAPI(parent=self, backoff=self.backoff)
 
     def pod_of(self, server: Server) -> tuple[str, str]:
         """(namespace, pod name) of a server."""
@@ -166,13 +142,10 @@ class AgentLocator(LoggingConfigurable):
         return namespace, name
 
     async def agent_url(self, node: str) -> str:
-        pods = await self.kube(
-            f"list agent pods on node {node}",
-            lambda: self.api.list_pods(
-                self.agent_namespace,
-                label_selector=self.agent_label_selector,
-                field_selector=f"spec.nodeName={node}",
-            ),
+        pods = await self.api.list_pods(
+            self.agent_namespace,
+            label_selector=self.agent_label_selector,
+            field_selector=f"spec.nodeName={node}",
         )
         ready = [p for p in pods if (p.get("status") or {}).get("podIP")]
         if not ready:
@@ -191,11 +164,9 @@ class AgentLocator(LoggingConfigurable):
 
     async def agent_urls(self) -> dict[str, str]:
         """Base URL of the agent on every node that runs one (node name → URL): one list call."""
-        pods = await self.kube(
-            "list agent pods",
-            lambda: self.api.list_pods(
-                self.agent_namespace, label_selector=self.agent_label_selector
-            ),
+        pods = await self.api.list_pods(
+            self.agent_namespace,
+            label_selector=self.agent_label_selector,
             retry=False,  # read every tick (make room): the next tick is the retry
         )
         urls: dict[str, str] = {}
@@ -206,7 +177,7 @@ class AgentLocator(LoggingConfigurable):
         return urls
 
     async def node_of(self, namespace: str, pod: str) -> str:
-        obj = await self.kube(f"get pod {namespace}/{pod}", lambda: self.api.get_pod(namespace, pod))
+        obj = await self.api.get_pod(namespace, pod)
         node = (obj.get("spec") or {}).get("nodeName")
         if not node:
             raise AgentError(
@@ -571,22 +542,14 @@ class KubernetesBackend(CheckpointBackend):
 
     async def _record(self, info: CheckpointInfo) -> None:
         cm = self._configmap(info)
-        await self.locator.kube(
-            f"create ConfigMap {cm['metadata']['name']}",
-            lambda: self.api.request(
-                "POST", f"/api/v1/namespaces/{self.namespace}/configmaps", body=cm
-            ),
-            done_if=409,
-        )
+        # a create whose answer was lost is not done twice (KubeAPI.request: 409 on a retry)
+        await self.api.request("POST", f"/api/v1/namespaces/{self.namespace}/configmaps", body=cm)
 
     async def _records(self, selector: str) -> list[tuple[str, CheckpointInfo]]:
-        result = await self.locator.kube(
-            "list checkpoint ConfigMaps",
-            lambda: self.api.request(
-                "GET",
-                f"/api/v1/namespaces/{self.namespace}/configmaps",
-                query={"labelSelector": selector},
-            ),
+        result = await self.api.request(
+            "GET",
+            f"/api/v1/namespaces/{self.namespace}/configmaps",
+            query={"labelSelector": selector},
         )
         out = []
         for cm in result.get("items") or []:
@@ -636,11 +599,8 @@ class KubernetesBackend(CheckpointBackend):
                     await client.delete_manifest(ref.name, ref.digest)
                 except oci.RegistryError as e:
                     self.log.warning("%s: image %s stays in the registry: %s", info.key, info.id, e)
-            await self.locator.kube(
-                f"delete ConfigMap {name}",
-                lambda name=name: self.api.request(
-                    "DELETE", f"/api/v1/namespaces/{self.namespace}/configmaps/{name}"
-                ),
-                done_if=404,
+            # a 404 on a retry: an earlier try deleted it (KubeAPI.request)
+            await self.api.request(
+                "DELETE", f"/api/v1/namespaces/{self.namespace}/configmaps/{name}"
             )
             self.log.info("%s: checkpoint %s deleted", info.key, info.id)
