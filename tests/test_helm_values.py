@@ -322,3 +322,36 @@ def test_values_give_the_lab_panel_what_it_needs(values):
     assert not [p for p in singleuser["profileList"] if "image" in p.get("kubespawner_override", {})]
     install = next(line for line in notebook.splitlines() if "pip install" in line)
     assert "/tmp/jupyterhub-gpusnap" in install and "[" not in install  # the base package only
+
+
+def test_agent_sees_the_node_root_and_only_the_snapshot_claim(tmp_path, monkeypatch, values):
+    """A restore reads the placeholder container's runtime state, root filesystem and
+    volumes under host_root: the DaemonSet mounts the node's / there, with the runtime's
+    later mounts propagated. Checkpoints to a folder go only into the snapshot claim, and
+    only when it is mounted (storage.target "pvc"), at the values' pvcPath."""
+    ds = next(o for o in all_objects() if o["kind"] == "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "node-root")
+    assert mount == {
+        "name": "node-root",
+        "mountPath": "/host",
+        "mountPropagation": "HostToContainer",
+    }
+    volume = next(v for v in pod["volumes"] if v["name"] == "node-root")
+    assert volume == {"name": "node-root", "hostPath": {"path": "/"}}
+
+    import os
+
+    ismount = os.path.ismount
+    for mounted in (False, True):
+        monkeypatch.setattr(
+            os.path, "ismount", lambda p, m=mounted: m if p == "/snapshots" else ismount(p)
+        )
+        agent = agent_from_configmap(tmp_path, monkeypatch)
+        assert agent.host_root == mount["mountPath"]
+        assert agent.pvc_paths == (["/snapshots"] if mounted else [])
+    # the folder the hub side names in a checkpoint request (KubernetesBackend.pvc_path)
+    config = values["hub"]["extraFiles"]["gpusnap-config"]["stringData"]
+    assert 'c.KubernetesBackend.pvc_path = storage.get("pvcPath", "/snapshots")' in config
+    assert values["custom"]["gpusnap"]["storage"]["pvcPath"] == "/snapshots"
