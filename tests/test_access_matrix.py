@@ -138,6 +138,9 @@ API_CASES = [
     Case("POST", "api/servers/alice/jupyter", REPORT, body={"kernels": [], "terminals": []}),
     Case("POST", "api/servers/bob/jupyter", {**REPORT, "owner_server": 403},
          body={"kernels": [], "terminals": []}),
+    # alice/'s token is not alice/lab's either
+    Case("POST", "api/servers/alice/lab/jupyter", {**REPORT, "owner_server": 403},
+         body={"kernels": [], "terminals": []}),
     Case("GET", "api/events?server=alice/", READ_SERVER),
     Case("GET", "api/events?server=alice/lab&limit=5", READ_SERVER),
     Case("GET", "metrics", READERS),
