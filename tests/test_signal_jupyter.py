@@ -317,8 +317,14 @@ async def test_a_report_is_the_signal_until_it_is_stale():
     source.record("alice/", report(interval=10, received=time.time() - 31))
     sample = await source.sample(alice(), now)
     assert sample.kernels is None and "ago" in sample.errors["jupyter"], sample
-    # a tick forgets servers no longer running
+    # a tick forgets servers no longer running once their report is stale (a fresh one may
+    # come from a server restored before the Hub lists it again)
     source.record("alice/", report())
+    await source.prefetch([Server(user="bob")])
+    assert list(source.reports) == ["alice/"]
+    source.record("alice/", report(interval=10, received=time.time() - 31))
+    await source.prefetch([Server(user="alice")])
+    assert list(source.reports) == ["alice/"]  # running: its staleness is the signal's to say
     await source.prefetch([Server(user="bob")])
     assert source.reports == {}
 

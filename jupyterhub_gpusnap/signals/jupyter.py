@@ -171,9 +171,11 @@ class JupyterSignal(SignalSource):
         self.reports[key] = Report(received=float(sample["time"]), kernels=kernels, terminals=terminals)
 
     async def prefetch(self, servers: list[Server]) -> None:
-        """Drop the reports of servers no longer running (called once per tick)."""
+        """Drop the stale reports of servers not running (called once per tick). A fresh one
+        stays: a restored server may report before the Hub lists it as running again."""
         running = {s.key for s in servers}
-        for key in [k for k in self.reports if k not in running]:
+        clock = time.time()
+        for key in [k for k, r in self.reports.items() if k not in running and r.fresh_until < clock]:
             del self.reports[key]
 
     def from_report(self, report: Report, now: float) -> Sample:
