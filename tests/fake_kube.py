@@ -30,11 +30,8 @@ import contextlib
 import copy
 import io
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
 import tarfile
 import tempfile
 import time
@@ -160,34 +157,15 @@ class Workload:
     and a fresh one is not. A pod added with it (``add_pod(workload=…)``) runs that
     container, and the fake kubelet checkpoints it through the runtime."""
 
-    #: Set by a Cluster whose agent restores into its own namespaces (``restore_into =
-    #: "agent"``: one machine, no pods, no container runtime): workloads made while it runs
-    #: are plain processes, and the kubelet dumps them with plain CRIU.
-    bare_default = False
-
-    def __init__(self, folder: Path, ballast: int = 1 << 20, bare: bool | None = None):
+    def __init__(self, folder: Path, ballast: int = 1 << 20):
         self.folder = Path(folder)
         self.volume = self.folder / "workload-volume"
         self.log = self.volume / "workload.log"
         self.ballast = ballast
-        self.bare = Workload.bare_default if bare is None else bare
         self.container = None
-        self.proc: subprocess.Popen | None = None
 
     def start(self) -> Workload:
         import oci_runtime
-
-        if self.bare:
-            self.volume.mkdir(parents=True, exist_ok=True)
-            self.proc = subprocess.Popen(
-                [sys.executable, "-S", "-c", WORKLOAD, str(self.log), str(self.ballast)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                start_new_session=True,
-                cwd=str(self.volume),
-            )
-            return self
 
         why = oci_runtime.missing()
         assert not why, why
@@ -202,8 +180,6 @@ class Workload:
 
     @property
     def pid(self) -> int:
-        if self.proc is not None:
-            return self.proc.pid
         return self.container.pid if self.container is not None else 0
 
     def placeholder(self):
@@ -245,13 +221,6 @@ class Workload:
 
     def stop(self) -> None:
         """Delete the pod: every process of its container killed, its sandbox gone."""
-        if self.proc is not None:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.proc.wait()
-            deadline = time.monotonic() + 10  # a restore of it needs the same PID
-            while os.path.exists(f"/proc/{self.proc.pid}") and time.monotonic() < deadline:
-                time.sleep(0.01)
         if self.container is not None:
             self.container.delete()
             self.container.sandbox.stop()
@@ -827,42 +796,11 @@ class FakeKube:
         (:meth:`oci_runtime.Container.checkpoint`): the kubelet only hands it out."""
         real = self.containers.get((namespace, name))
         base = f"checkpoint-{name}_{namespace}-{container}-{rfc3339()}"
-        bare = self.workloads.get((namespace, name))
-        if real is None and bare is not None and bare.bare:
-            path = await self._plain_dump(bare, base)
-            self.checkpointed.append(f"{namespace}/{name}/{container}")
-            return path
         if real is None:
             raise RuntimeError(f"pod {namespace}/{name} runs no container on this node")
         archive = await asyncio.to_thread(real.checkpoint, self.checkpoints, base)
         self.archives.append(tar_names(archive))
         self.checkpointed.append(f"{namespace}/{name}/{container}")
-        return f"{KUBELET_DIR}/{archive.name}"
-
-
-    async def _plain_dump(self, workload: Workload, base: str) -> str:
-        """A node without a container runtime (``restore_into = "agent"``): the workload's
-        process dumped with plain CRIU (``--leave-running``), only ``checkpoint/`` and the
-        logs in the archive. Nothing else produces an archive without the runtime."""
-        work = self.root / "kubelet-work" / base
-        images = work / "checkpoint"
-        images.mkdir(parents=True)
-        proc = await asyncio.create_subprocess_exec(
-            CRIU, "dump", "-t", str(workload.pid), "-D", str(images), "--leave-running",
-            "-o", "dump.log", "-v4",
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
-        )  # fmt: skip
-        _, err = await proc.communicate()
-        if proc.returncode != 0:
-            raise RuntimeError(f"criu dump failed: {err.decode()}")
-        shutil.move(images / "dump.log", work / "dump.log")
-        archive = self.checkpoints / f"{base}.tar"
-        with tarfile.open(archive, "w") as tar:
-            for entry in ("checkpoint", "dump.log"):
-                tar.add(work / entry, arcname=entry)
-        os.chmod(archive, 0o600)
-        shutil.rmtree(work)
-        self.archives.append(tar_names(archive))
         return f"{KUBELET_DIR}/{archive.name}"
 
 
@@ -1333,7 +1271,6 @@ class Cluster:
         self.secret_file.write_text(AGENT_SECRET + "\n")
         self.tree = NodeTree(self.root / "node")
         self._agent_config = agent_config
-        Workload.bare_default = agent_config.get("AgentApp__restore_into") == "agent"
         self.agent = AgentApp(config=self._config_for(NODE, "127.0.0.1", 0, self.tree, self.root / "restore"))
         await self.agent.start_server()
         self.agents = {NODE: self.agent}
@@ -1486,7 +1423,6 @@ class Cluster:
         tree.add_pod_process(pid, pod["metadata"]["uid"], container_id(status_id), usage_usec)
 
     async def stop(self) -> None:
-        Workload.bare_default = False
         for agent in self.agents.values():
             await agent.stop_server()
         await self.kube.stop()

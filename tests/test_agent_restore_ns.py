@@ -140,7 +140,7 @@ async def test_a_containers_checkpoint_is_not_restored_outside_a_container(tmp_p
     """restore_into = "agent" (one machine, no pods) cannot give a container's checkpoint
     its root filesystem and volumes: refused, naming the setting, and the image kept."""
     cluster = await Cluster(tmp_path).start(AgentApp__restore_into="agent")
-    work = Workload(tmp_path, bare=False).start()
+    work = Workload(tmp_path).start()
     try:
         await work.wait_lines(2)
         cluster.add_user_pod("alice", work)

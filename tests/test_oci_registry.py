@@ -1,8 +1,8 @@
 """Checkpoint images against a real registry (Debian's docker-registry), restored by the agent.
 
-A real CRIU dump of a local process, laid out like the kubelet's archive, is pushed as
-an OCI image (chunked upload), verified, pulled back by digest and restored by the
-agent's ``/v1/restore`` on this machine: the process comes back with its memory.
+A real runc container's checkpoint, in the archive CRI-O writes, is pushed as an OCI
+image (chunked upload), verified, pulled back by digest and restored by the agent's
+``/v1/restore`` into a real placeholder container: the process comes back with its memory.
 """
 
 from __future__ import annotations
@@ -11,13 +11,12 @@ import asyncio
 import base64
 import json
 import os
-import signal
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from fake_kube import Cluster, Workload, tar_bytes
+from fake_kube import Cluster, Workload, cgroup2_mount, tar_bytes
 from registry import Registry, docker_config
 
 from jupyterhub_gpusnap.agent.ship import Shipper
@@ -104,13 +103,14 @@ async def kubelet_archive(cluster: Cluster, work: Workload) -> str:
 
 async def test_archive_pushed_pulled_by_digest_and_restored_by_the_agent(tmp_path, registry):
     cluster = Cluster(tmp_path)
-    # a single machine without pods: restore into the agent's own namespaces (the
-    # placeholder-pod path is tested in test_agent_restore_ns.py)
+    # the agent reads this machine's /proc and cgroup v2 tree: the workload is a real runc
+    # container, and the restore goes into a real placeholder container
     await cluster.start(
-        AgentApp__restore_dir=str(tmp_path / "restore"), AgentApp__restore_into="agent"
+        AgentApp__restore_dir=str(tmp_path / "restore"),
+        PodMapper__proc_root="/proc",
+        PodMapper__cgroup_root=str(cgroup2_mount()),
     )
     work = Workload(tmp_path, ballast=3 << 20).start()
-    restored = None
     try:
         before = await work.wait_lines(3)
         secret = before[0][0]
@@ -131,12 +131,15 @@ async def test_archive_pushed_pulled_by_digest_and_restored_by_the_agent(tmp_pat
         }
         assert size > 3 << 20 and layer_size == size
 
-        # the container is gone (the pod was deleted); its PIDs must be free for the restore
+        # the pod is deleted; the spawner's placeholder pod takes its place on the node
         work.stop()
+        cluster.kube.pods.pop(("jhub", "jupyter-alice"))
+        placeholder = work.placeholder()
+        cluster.add_user_pod("alice", placeholder_for=shipped.id, runtime=placeholder)
         code, body = await cluster.restore_into(shipped.id)
         assert code == 200, body
         restored = body["pid"]
-        assert body["restored"] is True and restored == work.pid  # CRIU restores the same PID
+        assert body["restored"] is True and restored in placeholder.cgroup_pids()
         lines_at_restore = len(work.lines())
         after = await work.wait_lines(lines_at_restore + 2)
         new = after[lines_at_restore:]
@@ -146,12 +149,9 @@ async def test_archive_pushed_pulled_by_digest_and_restored_by_the_agent(tmp_pat
         assert psutil.Process(restored).is_running()
         assert not (tmp_path / "restore").exists() or list((tmp_path / "restore").iterdir()) == []
     finally:
-        if restored:
-            try:
-                os.kill(restored, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        work.stop()
+        work.close()
+        for r in cluster.agent._restored:
+            r.criu.wait(timeout=30)
         await cluster.stop()
 
 
