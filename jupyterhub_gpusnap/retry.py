@@ -11,7 +11,8 @@ never a 4xx, which another try would only repeat.
 The names are those of the email's retries (``Mailer.retries``, ``retry_backoff``,
 ``retry_backoff_max``). Each client has its own Backoff (``parent`` = the client), so the settings apply to all
 (``c.Backoff.retries``) or to one client: ``c.RegistryClient.Backoff…`` (registry pushes and
-pulls, in the agent), ``c.AgentLocator.Backoff…`` (the service's API-server and agent calls),
+pulls, in the agent), ``c.KubeAPI.Backoff…`` (the agent's API-server calls),
+``c.AgentLocator.Backoff…`` (the service's API-server and agent calls),
 ``c.SnapKubeSpawner.Backoff…`` (the spawner's).
 """
 
