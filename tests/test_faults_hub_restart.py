@@ -154,6 +154,8 @@ async def test_service_crash_then_api_email_keep_state(hub_factory, tmp_path):
         alice = await service.wait_for(suspended, timeout=120, what="alice shown suspended after the restart")
         assert alice["checkpoint_id"] == f"alice/_default/{folder.name}", alice
         assert alice["exempt"] is True
+        code, page = await service.api("GET", "status/alice/")  # the user's status page
+        assert code == 200 and 'data-state="suspended"' in page, page
         assert await hub.get_server("alice") is None  # stopped in the Hub, restorable
         bob = await service.server_status("bob/")
         assert bob["keep_until"] == bob_keep and bob["state"] == "active", bob
