@@ -32,7 +32,7 @@ from jupyterhub_gpusnap.checkpoint.chunks import STORE
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend, is_alive
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest, is_pages_file
 from jupyterhub_gpusnap.checkpoint.page_sums import sums_name, write_sums
-from jupyterhub_gpusnap.checkpoint.pagemap import read_pagemaps
+from jupyterhub_gpusnap.checkpoint.pagemap import PagemapError, eager_ranges, read_pagemaps
 from jupyterhub_gpusnap.model import Server
 from jupyterhub_gpusnap.procs import tree_pids
 
@@ -439,3 +439,46 @@ async def test_a_users_sandboxed_server_restores_lazily(tmp_path, staging, pool,
         if restored is not None:
             with contextlib.suppress(OSError):
                 os.kill(restored, signal.SIGKILL)  # the namespace's init: takes the rest
+
+
+# ---------------------------------------------------------------------- reading pagemaps
+
+
+def _record(fields: dict[int, int]) -> bytes:
+    """A protobuf message of varint fields, as CRIU writes a record (u32 length first)."""
+
+    def varint(n: int) -> bytes:
+        out = bytearray()
+        while True:
+            b, n = n & 0x7F, n >> 7
+            out.append(b | (0x80 if n else 0))
+            if not n:
+                return bytes(out)
+
+    msg = b"".join(varint(k << 3) + varint(v) for k, v in fields.items())
+    return len(msg).to_bytes(4, "little") + msg
+
+
+def test_pagemaps_locate_pages_across_runs_and_name_what_is_missing(tmp_path):
+    # pages_id 3; a lazy run of 4 pages (old field 2), an eager one of 2 (field 5 wins over
+    # field 2), a hole (not present), a lazy run of 3 pages
+    image = b"\x19\x43\x56\x54\x25\x40\x08\x56" + _record({1: 3})
+    image += _record({1: 0x10000, 2: 4, 4: 6})
+    image += _record({1: 0x14000, 2: 99, 5: 2, 4: 4})
+    image += _record({1: 0x20000, 2: 1, 4: 0})
+    image += _record({1: 0x30000, 5: 3, 4: 6})
+    (tmp_path / "pagemap-7.img").write_bytes(image)
+    (pm,) = read_pagemaps(tmp_path)
+    assert (pm.pid, pm.pages_file) == (7, "pages-3.img")
+    assert [(r.vaddr, r.nr_pages, r.offset, r.lazy) for r in pm.runs] == [
+        (0x10000, 4, 0, True), (0x14000, 2, 4 * 4096, False), (0x30000, 3, 6 * 4096, True),
+    ]  # fmt: skip
+    # contiguous in memory and in the file: one range
+    assert pm.locate(0x13000, 3) == [(3 * 4096, 3 * 4096)]
+    assert pm.locate(0x30000 + 4096, 2) == [(7 * 4096, 2 * 4096)]
+    with pytest.raises(PagemapError, match=r"address 0x20000 of process 7 is not in the image"):
+        pm.locate(0x20000, 1)
+    assert eager_ranges([pm]) == {"pages-3.img": [(4 * 4096, 2 * 4096)]}
+    (tmp_path / "pagemap-7.img").write_bytes(image[:-3])
+    with pytest.raises(PagemapError, match="truncated"):
+        read_pagemaps(tmp_path)
