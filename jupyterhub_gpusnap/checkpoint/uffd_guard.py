@@ -5,7 +5,7 @@ the memory it covered *zero-filled pages* instead of theirs. During a lazy resto
 holder is ``criu lazy-pages``, which exits as soon as its page server (in the service)
 goes away or fails. So this small process (``python -I -S uffd_guard.py DAEMON_PID
 STAGING``, the standard library only, its own session) takes duplicates of the daemon's
-userfaultfds (``pidfd_getfd``; rescanned every 50 ms for those that forks add) and keeps
+userfaultfds (``pidfd_getfd``; rescanned every 20 ms for those that forks add) and keeps
 them while the service tells it nothing:
 
 - the service writes ``release`` on the guard's stdin once every page is in, or once it
@@ -29,7 +29,7 @@ import time
 
 SYS_PIDFD_GETFD = 438  # the same number on every architecture (asm-generic)
 UFFD = "anon_inode:[userfaultfd]"
-POLL = 0.05
+POLL = 0.02
 
 
 class UffdHold:
