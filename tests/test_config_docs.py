@@ -15,6 +15,7 @@ from jupyterhub_gpusnap.checkpoint.oci import RegistryClient
 from jupyterhub_gpusnap.hub import HubClient
 from jupyterhub_gpusnap.notify import Mailer, Notifier, ServiceNotifier
 from jupyterhub_gpusnap.park import Parking
+from jupyterhub_gpusnap.retry import Backoff
 from jupyterhub_gpusnap.signals.agent import AgentSignal
 from jupyterhub_gpusnap.signals.base import SignalSource
 from jupyterhub_gpusnap.signals.jupyter import JupyterSignal
@@ -27,7 +28,8 @@ DOCS = Path(__file__).resolve().parent.parent / "docs"
 #: the service and everything it configures (what --generate-config prints, and the rest)
 CLASSES = [GpuSnap, Watcher, HubClient, LocalBackend, CudaCheckpoint, Parking, KubernetesBackend,
            AgentLocator, KubeAPI, RegistryClient, SignalSource, JupyterSignal, NvmlSignal,
-           PrometheusSignal, AgentSignal, LocalProcessSignal, Mailer, Notifier, ServiceNotifier]
+           PrometheusSignal, AgentSignal, LocalProcessSignal, Mailer, Notifier, ServiceNotifier,
+           Backoff]
 
 
 def settings() -> set[str]:
