@@ -498,6 +498,9 @@ async function reconnect(app: JupyterFrontEnd): Promise<void> {
   await Promise.all(waits);
 }
 
+/** Seconds the lost-connection dialog waits for a suspension under way to be recorded. */
+const SUSPENDING_WAITS = 30;
+
 /** In place of JupyterLab's "Server unavailable… Restart?": say what happened; restore here. */
 function connectionLost(app: JupyterFrontEnd, model: Model): IConnectionLost {
   let showing = false;
@@ -510,6 +513,12 @@ function connectionLost(app: JupyterFrontEnd, model: Model): IConnectionLost {
       await model.refresh();
       if (!model.gone) {
         return; // a passing network error: the server answers
+      }
+      // the server stops before the service records the suspension as done: wait for that
+      // (seconds), so that the dialog says "suspended at …" rather than "being suspended"
+      for (let i = 0; i < SUSPENDING_WAITS && model.status?.state === 'suspending'; i++) {
+        await new Promise(resolve => setTimeout(resolve, 1000));
+        await model.refresh();
       }
       const s = model.status;
       const saved = !!s && ['suspended', 'suspending', 'restoring'].includes(s.state) && s.action !== 'stop';
