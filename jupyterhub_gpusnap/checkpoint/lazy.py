@@ -278,10 +278,7 @@ async def restore(
             )
             waiter.cancel()
             if failed.is_set() and not restore_task.done():
-                for proc in _criu_restores(staging):
-                    await asyncio.to_thread(kill_restored, proc)
-                    with contextlib.suppress(OSError):
-                        os.kill(proc, signal.SIGKILL)
+                await asyncio.to_thread(_end_restores, staging)
         try:
             restored = restore_task.result()
         except CheckpointError as e:
@@ -291,7 +288,9 @@ async def restore(
                                   f"{criu.log_tail(staging / LAZY_LOG)}") from e  # fmt: skip
     except BaseException:
         if restore_task is not None and not restore_task.done():
+            # called off mid-restore: CRIU would finish a tree nobody serves
             restore_task.cancel()
+            _end_restores(staging)
         await stop_all()
         raise
     lazy = LazyRestore(
@@ -302,6 +301,14 @@ async def restore(
                   "lazy_bytes": lazy.lazy_bytes}  # fmt: skip
     lazy.done = asyncio.ensure_future(_watch(lazy, failed, stop_all, poll))
     return lazy
+
+
+def _end_restores(staging: Path) -> None:
+    """Kill the ``criu restore`` working on ``staging`` and all it restored so far."""
+    for proc in _criu_restores(staging):
+        kill_restored(proc)
+        with contextlib.suppress(OSError):
+            os.kill(proc, signal.SIGKILL)
 
 
 def _criu_restores(staging: Path) -> list[int]:
