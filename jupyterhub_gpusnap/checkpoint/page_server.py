@@ -101,7 +101,9 @@ class PageServer:
                         self.faults += 1
                     if self.first_at is None:
                         self.first_at = time.monotonic()
-                    fut = loop.run_in_executor(self.pool, self._read, dst, vaddr, nr)
+                    fut = self._cached(dst, vaddr, nr)
+                    if fut is None:
+                        fut = loop.run_in_executor(self.pool, self._read, dst, vaddr, nr)
                     queue.put_nowait((nr, vaddr, dst, fut))
                 elif cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
                     queue.put_nowait(None)
@@ -112,6 +114,30 @@ class PageServer:
         finally:
             queue.put_nowait(StopAsyncIteration)
             await sender
+
+    def _cached(self, dst: int, vaddr: int, nr: int) -> asyncio.Future | None:
+        """The answer as a done future when its pages are checked and in memory already
+        (the background transfer, once the pool is ahead of it); else None."""
+        pm = self.maps.get(dst)
+        if pm is None:
+            return None
+        try:
+            ranges = pm.locate(vaddr, nr)
+        except PagemapError:
+            return None
+        source = self.sources[pm.pages_file]
+        parts = []
+        for off, n in ranges:
+            got = source.cached(off, n)
+            if got is None:
+                return None
+            parts += got
+        if nr > 1 and self.ahead:
+            end = ranges[-1][0] + ranges[-1][1]
+            source.ahead(end, self.ahead)
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result(parts)
+        return fut
 
     def _read(self, dst: int, vaddr: int, nr: int) -> list[memoryview]:
         t = time.perf_counter()

@@ -100,6 +100,26 @@ class _Segmented:
             i += 1
         return out
 
+    def cached(self, offset: int, length: int) -> list[memoryview] | None:
+        """What :meth:`read` gives, if every segment it needs is checked and in memory
+        already (no waiting: callable from the event loop); else None."""
+        if offset < 0 or offset + length > self.size:
+            return None
+        out = []
+        i = bisect.bisect_right(self.starts, offset) - 1
+        pos, end = offset, offset + length
+        with self._lock:
+            while pos < end:
+                data = self._cache.get(i)
+                if data is None:
+                    return None
+                s = pos - self.starts[i]
+                piece = memoryview(data)[s : s + (end - pos)]
+                out.append(piece)
+                pos += len(piece)
+                i += 1
+        return out
+
     def ahead(self, offset: int, length: int) -> None:
         """Check the segments covering ``[offset, offset + length)`` in the pool, now."""
         if offset >= self.size:
