@@ -31,6 +31,9 @@ from .signals.base import SignalSource
 from .store import Store
 from .watcher import Watcher
 
+#: the event kinds the admin digest counts as failures (a suspension cut short by a restart too)
+FAILURE_EVENTS = ("suspend_failed", "restore_failed", "suspend_interrupted")
+
 
 def gpu_hours_freed(events: list[dict], since: float, now: float) -> float:
     """GPU-hours that suspended servers gave back between ``since`` and ``now``.
@@ -330,6 +333,7 @@ class GpuSnap(Application):
     def initialize(self, argv=None):
         self._last_retention = 0.0
         self._last_digest = None
+        self._scrub_task = None  # the backend's scrub, run beside the ticks (it may take hours)
         # a bad value (e.g. GpuSnap.action = "kill") is one line naming the setting, not a traceback
         try:
             self._load_settings(argv)
@@ -431,7 +435,8 @@ class GpuSnap(Application):
         await self.housekeeping()
 
     async def housekeeping(self) -> None:
-        """Retention of old checkpoints and the admin's daily digest, when they are due."""
+        """Retention of old checkpoints, the chunk store's scrub (a task of its own) and the
+        admin's daily digest, when they are due."""
         now = time.time()
         if self.backend is not None and now - self._last_retention >= self.retention_interval:
             self._last_retention = now
@@ -441,11 +446,21 @@ class GpuSnap(Application):
                     self.log.info("Retention deleted %d checkpoint(s): %s", len(deleted), ", ".join(deleted))
             except Exception as e:
                 self.log.error("Checkpoint retention failed: %s", e)
+            if self._scrub_task is None or self._scrub_task.done():
+                self._scrub_task = asyncio.ensure_future(self._scrub())
         if self.notifier is not None:
             day = self.notifier.digest_day()
             if day is not None and day != self._last_digest:
                 self._last_digest = day
                 await self.notifier.send_digest(self.digest_context(now), day)
+
+    async def _scrub(self) -> None:
+        """The backend's scrub (replicas of shared chunks; a full pass when due); a failure is
+        logged and the next housekeeping round tries again."""
+        try:
+            await self.backend.scrub()  # it logs its own summary
+        except Exception as e:
+            self.log.error("Checkpoint scrub failed: %s", e)
 
     def digest_context(self, now: float) -> dict:
         """The admin digest's numbers over the last 24 hours, from the event log."""
@@ -455,10 +470,10 @@ class GpuSnap(Application):
         return {
             "suspensions": count("suspend"),
             "restores": count("restore"),
-            "failures": count("suspend_failed") + count("restore_failed"),
+            "failures": sum(count(kind) for kind in FAILURE_EVENTS),
             "gpu_hours": round(gpu_hours_freed(self.store.events(None, limit=100000), since, now), 1),
             "failed_servers": [{"server": e["key"], "error": (e["detail"] or {}).get("error", "")}
-                               for e in events if e["kind"] in ("suspend_failed", "restore_failed")],
+                               for e in events if e["kind"] in FAILURE_EVENTS],
             "hub_url": self.public_url,
         }
 
@@ -488,6 +503,11 @@ class GpuSnap(Application):
                 pass
         self.log.info("Shutting down; waiting for suspensions under way")
         await self.watcher.wait_idle()
+        if self._scrub_task is not None and not self._scrub_task.done():
+            # a chunk being repaired is finished by its thread; a full pass cut short runs again
+            # after the restart
+            self._scrub_task.cancel()
+            await asyncio.gather(self._scrub_task, return_exceptions=True)
         if self.notifier is not None:
             await self.notifier.drain()
         server.stop()

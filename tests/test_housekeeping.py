@@ -35,6 +35,8 @@ c.Notifier.digest_hour = 0
         app.store.record_event("bob/", "suspend", {"image_bytes": 1})
         app.store.record_event("alice/", "restore", {})
         app.store.record_event("carol/", "suspend_failed", {"error": "criu dump failed"})
+        # a suspension cut short by a service restart (watcher.py) is a failure too
+        app.store.record_event("dave/gpu", "suspend_interrupted", {"error": "the service stopped"})
         await app.housekeeping()
         await app.housekeeping()  # the same day: not again
         await app.notifier.drain()
@@ -42,8 +44,10 @@ c.Notifier.digest_hour = 0
         assert len(digests) == 1
         text = digests[0].part("plain")
         assert "carol/" in text and "criu dump failed" in text
+        assert "dave/gpu" in text and "the service stopped" in text
         context = app.digest_context(app.store.events(None, limit=1)[0]["time"])
-        assert (context["suspensions"], context["restores"], context["failures"]) == (2, 1, 1)
+        assert (context["suspensions"], context["restores"], context["failures"]) == (2, 1, 2)
+        assert sorted(f["server"] for f in context["failed_servers"]) == ["carol/", "dave/gpu"]
         # retention ran too (nothing to delete in an empty checkpoint folder)
         assert app._last_retention > 0
     finally:
@@ -71,3 +75,60 @@ def test_digest_gpu_hours_count_the_last_24_hours_only():
         ev(8, "erin/", "suspend", 1, gpus=0),  # a CPU-only server: nothing
     ]
     assert gpu_hours_freed(list(reversed(events)), now - 24 * h, now) == pytest.approx(48 + 4 + 3)
+
+
+@pytest.mark.criu
+async def test_housekeeping_runs_the_chunk_scrub_and_a_failed_scrub_is_logged_not_fatal(
+    tmp_path, monkeypatch, process_tree, caplog
+):
+    """Two users' snapshots share chunks: the service's housekeeping starts the backend's
+    scrub, which stores those chunks twice. A scrub that fails (here its state file cannot
+    be written) is logged; housekeeping goes on, and the next round scrubs again."""
+    from test_chunk_scrub import suspend_two
+
+    from jupyterhub_gpusnap.checkpoint.chunks import PLAIN
+    from jupyterhub_gpusnap.checkpoint.scrub import STATE
+
+    cfg = tmp_path / "gpusnap_config.py"
+    cfg.write_text(f"""
+c.GpuSnap.db_url = "sqlite:///{tmp_path}/gpusnap.sqlite"
+c.LocalBackend.checkpoint_dir = "{tmp_path}/ckpt"
+c.LocalBackend.storage = "chunks"
+c.LocalBackend.min_free_bytes = 0
+c.LocalBackend.average_chunk_bytes = {64 << 10}
+""")
+    monkeypatch.setenv("JUPYTERHUB_API_TOKEN", "unused-here")
+    app = GpuSnap()
+    app.initialize(["--config", str(cfg)])
+    app.log.addHandler(caplog.handler)  # the service's logger does not propagate
+    backend = app.backend
+    _, _, _, shared = await suspend_two(backend, process_tree)
+    store = backend.chunk_store()
+    space = PLAIN  # not encrypted
+    assert shared and not any(store.replica_path(space, c).exists() for c in shared)
+
+    # 1. the scrub fails: logged, housekeeping returns, the digest's turn still comes
+    obstacle = store.root / STATE
+    obstacle.mkdir()
+    (obstacle / "in-the-way").write_text("")
+    await app.housekeeping()
+    assert app._scrub_task is not None
+    await app._scrub_task  # the failure stays inside the task
+    def failures():
+        return [r for r in caplog.records if r.getMessage().startswith("Checkpoint scrub failed:")]
+
+    failed = failures()
+    assert len(failed) == 1 and failed[0].levelname == "ERROR"
+    assert "Is a directory" in failed[0].getMessage()
+
+    # 2. the next round (an hour later) scrubs again: every shared chunk has its replica
+    (obstacle / "in-the-way").unlink()
+    obstacle.rmdir()
+    app._last_retention = 0.0
+    await app.housekeeping()
+    await app._scrub_task
+    for cid in shared:
+        replica = store.replica_path(space, cid)
+        assert replica.is_file() and replica.read_bytes() == store.path(space, cid).read_bytes()
+    assert obstacle.is_file()  # the full pass ended and recorded it
+    assert failures() == failed  # no new failure
