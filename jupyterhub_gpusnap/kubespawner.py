@@ -242,6 +242,17 @@ class SnapKubeSpawner(KubeSpawner):
         """,
     ).tag(config=True)
 
+    @default("server_token_scopes")
+    def _default_server_token_scopes(self):
+        # JupyterHub's default plus access to the service: the server's extension reports its
+        # kernels and terminals to the service with this token, and the Lab panel asks the
+        # service with it (the Hub grants it only where users hold that access too:
+        # hubconfig.user_role). A service named other than 'gpusnap': set
+        # c.Spawner.server_token_scopes = hubconfig.server_token_scopes("<name>").
+        from .hubconfig import server_token_scopes
+
+        return server_token_scopes("gpusnap")
+
     agent_namespace = Unicode(
         "",
         help="""Namespace of the gpusnap node agent DaemonSet (helm-values/agent/ uses

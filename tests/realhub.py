@@ -172,9 +172,12 @@ c.ConfigurableHTTPProxy.api_url = "http://{self.ip}:{self.proxy_api_port}"
 c.ConfigurableHTTPProxy.auth_token = {self.proxy_token!r}
 c.JupyterHub.services.append({{"name": {self.admin_service!r}, "api_token": {self.admin_token!r}}})
 # what docs/install.md asks of every hub: server tokens may reach the gpusnap service (its
-# extension reports the server's kernels there), which the servers find through the proxy
+# extension reports the server's kernels there), which the servers find through the proxy.
+# Our spawners give their servers' tokens that access by default: set it only for others.
 from jupyterhub_gpusnap.hubconfig import server_token_scopes as _gpusnap_token_scopes
-if "server_token_scopes" not in c.Spawner:
+if "server_token_scopes" not in c.Spawner and not str(c.JupyterHub.spawner_class).startswith(
+    "jupyterhub_gpusnap."
+):
     c.Spawner.server_token_scopes = _gpusnap_token_scopes("gpusnap")
 _env = dict(c.Spawner.environment) if "environment" in c.Spawner else {{}}
 _env.setdefault("GPUSNAP_SERVICE_URL", "http://{self.ip}:{self.port}/services/gpusnap/")

@@ -24,6 +24,7 @@ from traitlets.config import Config, PyFileConfigLoader
 
 from jupyterhub_gpusnap.agent.app import AgentApp
 from jupyterhub_gpusnap.doctor import RBAC_NEEDS, Doctor, granted_by_chart
+from jupyterhub_gpusnap.hubconfig import REQUIRED_SCOPES
 from jupyterhub_gpusnap.kubespawner import SnapKubeSpawner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,16 +96,13 @@ def test_values_hub_config(values):
     assert service["url"] == "http://hub:10101"
     assert {"name": "gpusnap", "port": 10101, "targetPort": 10101} in hub["service"]["extraPorts"]
     roles = hub["loadRoles"]
-    assert set(roles["gpusnap-service"]["scopes"]) == {
-        "list:users",
-        "read:users",
-        "read:users:activity",
-        "read:servers",
-        "admin:server_state",
-        "access:servers",
-        "delete:servers",
-        "servers",
-    }
+    # exactly what the service needs (hubconfig.REQUIRED_SCOPES): no access:servers, which
+    # would let its token read users' files and run code in their servers
+    assert set(roles["gpusnap-service"]["scopes"]) == set(REQUIRED_SCOPES)
+    assert "access:servers" not in roles["gpusnap-service"]["scopes"]
+    # servers report their kernels to the service with their own token: SnapKubeSpawner asks
+    # the Hub to give it access to the service, which users hold (the user role above)
+    assert "access:services!service=gpusnap" in SnapKubeSpawner._default_server_token_scopes(None)
     assert roles["gpusnap-service"]["services"] == ["gpusnap"]
     assert "access:services!service=gpusnap" in roles["user"]["scopes"]
     egress = hub["networkPolicy"]["egress"][0]

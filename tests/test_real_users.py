@@ -27,6 +27,14 @@ from jupyterhub_gpusnap.model import Server
 pytestmark = [pytest.mark.e2e, pytest.mark.criu]
 
 PLAIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+TOKEN_SCOPES = """
+import json, os, urllib.request
+req = urllib.request.Request(os.environ["JUPYTERHUB_API_URL"] + "/user",
+                             headers={"Authorization": "token " + os.environ["JUPYTERHUB_API_TOKEN"]})
+print(" ".join(json.load(urllib.request.urlopen(req))["scopes"]))
+"""
+
+
 def users_config(ckpt: Path) -> str:
     return f"""
 c.JupyterHub.spawner_class = "jupyterhub_gpusnap.spawner.SnapLocalProcessSpawner"
@@ -39,6 +47,9 @@ c.Spawner.args = [
 ]
 c.Spawner.default_url = "/api/status"
 c.SnapLocalProcessSpawner.restore_timeout = 60
+# as docs/install.md: users hold access to the service, so their servers' tokens can too
+from jupyterhub_gpusnap.hubconfig import user_role
+c.JupyterHub.load_roles.append(user_role("gpusnap"))
 """
 
 
@@ -63,6 +74,10 @@ async def test_users_servers_run_as_themselves_and_come_back_as_themselves(
         "import os\nx = 42\nprint(os.getuid(), os.getgid(), os.getpid(), os.path.expanduser('~'))",
     )
     uid, gid, pid_inside, home = out.split()
+    # the spawner gives the server's token access to the service (its extension reports
+    # the kernels there; the Hub config here does not set server_token_scopes)
+    _, scopes = await hub.execute(alice.pw_name, TOKEN_SCOPES, kernel_id=kid)
+    assert "access:services!service=gpusnap" in scopes.split(), scopes
     assert (int(uid), int(gid), home) == (alice.pw_uid, alice.pw_gid, alice.pw_dir), out
     assert int(pid_inside) > 2  # a kernel inside the server's own PID namespace
     model = await hub.get_server(alice.pw_name)
