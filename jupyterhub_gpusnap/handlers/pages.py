@@ -12,7 +12,7 @@ from jupyterhub.services.auth import HubOAuth
 from tornado import web
 
 from ..model import State, server_key
-from .api import EXEMPT_UNTIL, parse_until, status_model
+from .api import parse_until, status_model
 from .base import BaseHandler
 
 #: What the history and admin pages count as a server's snapshots and restores.
@@ -84,11 +84,23 @@ def default_keep(choices: list[tuple[int, str]]) -> int | None:
     return fit[-1] if fit else (choices[0][0] if choices else None)
 
 
+#: States an exempt server reaches only by a "Suspend now": shown as they are, not as "Exempt".
+BEYOND_EXEMPT = ("suspending", "suspended", "restoring", "failed")
+
+
+def badge_state(s: dict) -> str:
+    """The state a server's badge shows: "exempt" for an exempt server, unless a "Suspend
+    now" took it to one of BEYOND_EXEMPT (then that state)."""
+    return "exempt" if s.get("exempt") and s["state"] not in BEYOND_EXEMPT else s["state"]
+
+
 def state_words(s: dict) -> str:
     """The State row of a server in plain words (the Lab panel says the same)."""
     state = s["state"]
     kept = s.get("keep_until") and not s.get("exempt")
-    if s.get("exempt"):
+    # an exempt server can still be suspended by hand ("Suspend now"): what happens to it
+    # comes before the exemption
+    if badge_state(s) == "exempt":
         return "Exempt: never suspended."
     if state == "active":
         if kept:
@@ -183,6 +195,7 @@ class PageHandler(BaseHandler):
             keep_choices=keep_choices,
             default_keep=default_keep,
             state_words=state_words,
+            badge_state=badge_state,
             hub_prefix=self.hub_auth.hub_prefix,
             history=history,
             **ns,
@@ -286,8 +299,8 @@ class AdminPage(PageHandler):
         events = app.store.events(None, limit=5000)
         suspended = {s.key for s in statuses if s.state == State.suspended}
         counts: dict[str, int] = {}
-        for s in statuses:
-            shown = "exempt" if s.keep_until == EXEMPT_UNTIL else str(s.state)
+        for m in servers:
+            shown = badge_state(m)
             counts[shown] = counts.get(shown, 0) + 1
         self.render_page(
             "admin.html",
