@@ -130,8 +130,8 @@ class GpuSnap(Application):
     proxy_url = Unicode(
         help="The URL of the proxy as the service reaches it, e.g. http://127.0.0.1:8000 or "
         "http://proxy-public: where JupyterPollSignal polls servers, and the default of public_url "
-        "(links in emails). Default: JUPYTERHUB_PUBLIC_URL or derived from the Hub API URL's host "
-        "on port 8000.",
+        "(links in emails). Default: JUPYTERHUB_PUBLIC_HUB_URL's scheme and host, else the Hub "
+        "API URL's host on port 8000.",
     ).tag(config=True)
 
     @default("proxy_url")
