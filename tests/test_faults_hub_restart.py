@@ -155,7 +155,7 @@ async def test_service_crash_then_api_email_keep_state(hub_factory, tmp_path):
         assert alice["checkpoint_id"] == f"alice/_default/{folder.name}", alice
         assert alice["exempt"] is True
         code, page = await service.api("GET", "status/alice/")  # the user's status page
-        assert code == 200 and 'data-state="suspended"' in page, page
+        assert code == 200 and '<span class="badge" data-state="suspended">suspended</span>' in page, page
         assert await hub.get_server("alice") is None  # stopped in the Hub, restorable
         bob = await service.server_status("bob/")
         assert bob["keep_until"] == bob_keep and bob["state"] == "active", bob
