@@ -42,7 +42,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from prometheus_client import Counter
 
+from ..metrics import REGISTRY
 from . import criu, uffd_guard
 from .base import CheckpointError
 from .chunks import ChunkStore
@@ -54,6 +56,28 @@ from .pagemap import PagemapError, eager_ranges, lazy_bytes, read_pagemaps
 
 LAZY_LOG = "lazy-pages.log"
 SOCKET_BYTES = 8 << 20  # send buffer of the page server's socket (capped by wmem_max)
+
+
+#: in the service's registry (/services/<name>/metrics): the service writes the sums
+PAGE_SUMS_FAILED = Counter(
+    "gpusnap_page_sums_failures",
+    "Suspensions (LocalBackend.restore_mode = 'lazy', storage = 'files') whose page checksums "
+    "could not be written; their snapshot restores eagerly.",
+    registry=REGISTRY,
+)
+#: in the default registry: restores run in the Hub, which serves it at /hub/metrics
+LAZY_RESTORES = Counter(
+    "gpusnap_lazy_restores",
+    "Restores with LocalBackend.restore_mode = 'lazy', by result: ok (every page back), failed "
+    "(the restored server was killed: a damaged page, or the page transfer ended; its snapshot "
+    "is marked failed), eager (restored eagerly instead: no page checksums, or CRIU could not).",
+    ["result"],
+)
+
+
+class LazyUnavailable(CheckpointError):
+    """This image cannot be restored lazily (no or damaged page sums), though it may well
+    be intact: restore it eagerly. Nothing was started."""
 
 
 # ---------------------------------------------------------------------- image sources
@@ -150,10 +174,14 @@ def stage(image: FilesImage | ChunksImage, dest: Path, pool: Executor):
                             view, off = view[done:], off + done
             finally:
                 os.close(fd)
-    except (SumsError, PageDamaged) as e:
+    except SumsError as e:
         for s in sources.values():
             s.close()
-        raise CheckpointError(f"image cannot be restored lazily: {e}") from e
+        raise LazyUnavailable(f"image cannot be restored lazily: {e}") from e
+    except PageDamaged as e:
+        for s in sources.values():
+            s.close()
+        raise CheckpointError(f"image is damaged: {e}") from e
     except BaseException:
         for s in sources.values():
             s.close()

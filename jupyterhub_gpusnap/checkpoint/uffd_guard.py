@@ -28,6 +28,8 @@ import sys
 import time
 
 SYS_PIDFD_GETFD = 438  # the same number on every architecture (asm-generic)
+SYS_KCMP = {"x86_64": 312, "aarch64": 272, "ppc64le": 354, "s390x": 343}.get(os.uname().machine)
+KCMP_FILE = 0
 UFFD = "anon_inode:[userfaultfd]"
 POLL = 0.02
 
@@ -45,12 +47,21 @@ class UffdHold:
             self.pidfd = None
 
     def grab(self) -> int:
+        """Take duplicates of the daemon's new userfaultfds; let go of those it closed.
+
+        The daemon closes a process's userfaultfd when that process exits (a fork that
+        ended). Our duplicate must go too: it would keep the closed file registered in
+        the daemon's epoll set, which then reports it forever and the daemon spins
+        (``excess message in queue``), starving the transfer. Only a *live* daemon closing
+        some of its userfaultfds is followed: a daemon that dies drops its whole fd table
+        at once (none listed), and then every duplicate is kept."""
         if self.pidfd is None:
             return len(self.fds)
         try:
             entries = os.listdir(f"/proc/{self.pid}/fd")
         except OSError:
             return len(self.fds)
+        current: dict[int, str] = {}
         for entry in entries:
             try:
                 if os.readlink(f"/proc/{self.pid}/fd/{entry}") != UFFD:
@@ -59,12 +70,26 @@ class UffdHold:
                     ino = next((ln.split()[1] for ln in f if ln.startswith("ino:")), "")
             except (OSError, IndexError):
                 continue
-            key = (int(entry), ino)
-            if key not in self.fds:
-                fd = self.libc.syscall(SYS_PIDFD_GETFD, self.pidfd, int(entry), 0)
+            current[int(entry)] = ino
+        if current:
+            for key, fd in list(self.fds.items()):
+                if current.get(key[0]) != key[1] or not self._same(fd, key[0]):
+                    os.close(fd)  # closed by the daemon (its process ended), or reused
+                    del self.fds[key]
+        for n, ino in current.items():
+            if (n, ino) not in self.fds:
+                fd = self.libc.syscall(SYS_PIDFD_GETFD, self.pidfd, n, 0)
                 if fd >= 0:
-                    self.fds[key] = fd
+                    self.fds[(n, ino)] = fd
         return len(self.fds)
+
+    def _same(self, ours: int, theirs: int) -> bool:
+        """Whether the daemon's fd ``theirs`` is still the file we hold as ``ours``
+        (kcmp); True where that cannot be asked."""
+        if SYS_KCMP is None:
+            return True
+        got = self.libc.syscall(SYS_KCMP, os.getpid(), self.pid, KCMP_FILE, ours, theirs)
+        return got == 0 or got < 0
 
     def release(self) -> None:
         for fd in self.fds.values():
