@@ -20,6 +20,7 @@ import pytest
 from test_restore_e2e import service_backend, snap_config, suspend
 
 from jupyterhub_gpusnap.checkpoint import lazy
+from jupyterhub_gpusnap.checkpoint.chunks import STORE
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest, is_pages_file
 from jupyterhub_gpusnap.checkpoint.page_sums import sums_name
 from jupyterhub_gpusnap.checkpoint.pagemap import read_pagemaps
@@ -50,7 +51,8 @@ async def suspend_with_sums(hub, backend, user: str):
     folder = backend.folder(info.id)
     m = Manifest.load(folder)
     pages = [n for n in m.files if is_pages_file(n)]
-    assert pages and all((folder / sums_name(n)).is_file() for n in pages)
+    if m.storage == "files":
+        assert pages and all((folder / sums_name(n)).is_file() for n in pages)
     return info, folder, m
 
 
@@ -63,14 +65,29 @@ async def wait_for(what, timeout: float = 60.0, every: float = 0.2):
     return await what()
 
 
-def lazy_page(folder: Path, m: Manifest, pid: int, addr: int) -> tuple[str, int]:
+def image_of(backend, folder: Path, m: Manifest):
+    if m.storage == "chunks":
+        return lazy.ChunksImage(backend.chunk_store(), m.key_id, m.chunks, m.sizes)
+    return lazy.FilesImage(folder, m.files, m.sizes, m.chunk_bytes)
+
+
+def chunk_at(m: Manifest, name: str, offset: int) -> str:
+    pos = 0
+    for cid, n in m.chunks[name]:
+        if pos <= offset < pos + n:
+            return cid
+        pos += n
+    raise AssertionError(f"no chunk of {name} holds {offset}")
+
+
+def lazy_page(backend, folder: Path, m: Manifest, pid: int, addr: int) -> tuple[str, int]:
     """(pages file, offset) of the page in the middle of the kernel's 200 MB (process
     ``pid`` as the image names it, the data at ``addr``), which a lazy restore leaves to
     the page server."""
     pool = ThreadPoolExecutor(2)
     scratch = Path(tempfile.mkdtemp(prefix="gpusnap-pm-"))
     try:
-        image = lazy.FilesImage(folder, m.files, m.sizes, m.chunk_bytes)
+        image = image_of(backend, folder, m)
         _, sources = lazy.stage(image, scratch, pool)
         for s in sources.values():
             s.close()
@@ -94,12 +111,13 @@ def flip(path: Path, offset: int) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
+@pytest.mark.parametrize("storage", ["files", "chunks"])
 async def test_a_lazy_restore_brings_the_kernel_back_and_a_damaged_page_fails_safely(
-    hub_factory, tmp_path
+    hub_factory, tmp_path, storage
 ):
     ckpt = tmp_path / "ckpt"
-    hub = await hub_factory(snap_config(ckpt, LAZY))
-    backend = service_backend(ckpt, restore_mode="lazy")
+    hub = await hub_factory(snap_config(ckpt, LAZY + f"c.LocalBackend.storage = {storage!r}\n"))
+    backend = service_backend(ckpt, restore_mode="lazy", storage=storage)
     await hub.start_server("alice")
     kid, out = await hub.execute("alice", HOLD, timeout=120)
     assert out.strip() == "ok"
@@ -128,8 +146,15 @@ async def test_a_lazy_restore_brings_the_kernel_back_and_a_damaged_page_fails_sa
     _, out = await hub.execute("alice", "print(os.getpid(), id(data) + 32)", kernel_id=kid)
     pid, addr = map(int, out.split())  # a bytes object's data follows its 32-byte header
     info, folder, m = await suspend_with_sums(hub, backend, "alice")
-    name, offset = lazy_page(folder, m, pid, addr)
-    flip(folder / name, offset)
+    name, offset = lazy_page(backend, folder, m, pid, addr)
+    if storage == "files":
+        flip(folder / name, offset)
+        named = f"{name}: the 64 KiB block at offset {offset // 65536 * 65536}"
+    else:
+        cid = chunk_at(m, name, offset)
+        blob = backend.root / STORE / m.key_id / cid[:2] / cid
+        flip(blob, blob.stat().st_size // 2)
+        named = f"{name}: chunk {cid[:12]}"
     await hub.start_server("alice")
     # the kernel reads all of its data: it must never answer (it would answer False)
     try:
@@ -143,10 +168,10 @@ async def test_a_lazy_restore_brings_the_kernel_back_and_a_damaged_page_fails_sa
 
     assert await wait_for(failed), hub.log_tail()
     error = Manifest.load(folder).error
-    block = offset // 65536 * 65536
-    assert f"{name}: the 64 KiB block at offset {block}" in error, error
+    assert named in error, error
     assert "lazy restore failed" in error and "killed" in error, error
-    assert (folder / name).exists()  # kept for diagnosis
+    if storage == "files":
+        assert (folder / name).exists()  # kept for diagnosis
     assert f"checkpoint {info.id}: lazy restore failed" in hub.log_text()
 
     # the Hub sees the killed server gone (poll); or, when the page was met before the
