@@ -211,6 +211,46 @@ async def test_the_tree_answers_before_its_memory_is_back_and_the_memory_is_inta
     assert is_alive(lr.pid)
 
 
+async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, process_tree):
+    """LocalBackend.restore_mode = "lazy": a snapshot without page sums restores eagerly;
+    a suspension in lazy mode writes them and the next restore is lazy; a lazy restore whose
+    server is gone before its last page (the Hub stopped) is failed by recover()."""
+    backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "files")
+    lazyb = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0,
+                         restore_mode="lazy")  # fmt: skip
+    pid, _, _ = await lazyb.restore(await lazyb.get(lazyb._id(folder)))
+    tree.pid = pid
+    m = Manifest.load(folder)
+    assert m.status == "restored" and "mode" not in m.extra["restore_phases"]  # eager
+    assert (await ask(tree.port, "hash"))["now"] == before["digest"]
+
+    info = await lazyb.checkpoint(Server(user="alice", name="", state={"pid": pid}))
+    task = lazyb.page_sums.get(info.id)
+    if task is not None:
+        assert await task
+    folder = lazyb.folder(info.id)
+    assert all((folder / sums_name(n)).is_file() for n in m.files if is_pages_file(n))
+    pid, _, _ = await lazyb.restore(await lazyb.get(info.id))
+    tree.pid = pid
+    phases = Manifest.load(folder).extra["restore_phases"]
+    assert phases["mode"] == "lazy" and phases["lazy_bytes"] >= 190 << 20
+    assert (await ask(tree.port, "hash"))["now"] == before["digest"]
+    task = lazyb.lazy_restores.get(info.id)
+    if task is not None:
+        await task
+    m = Manifest.load(folder)
+    assert m.extra["restore_phases"]["lazy_served_bytes"] == phases["lazy_bytes"]
+    assert "lazy_pending" not in m.extra and not lazyb.lazy_restores
+
+    # as a Hub that stopped mid-transfer leaves it: the guard killed the tree
+    m.extra["lazy_pending"] = True
+    m.save(folder)
+    await lazyb.kill_tree(tree_pids(pid))
+    await LocalBackend(checkpoint_dir=backend.checkpoint_dir).recover()
+    m = Manifest.load(folder)
+    assert m.status == "failed" and "(the Hub) stopped before every page was in" in m.error
+
+
 # ---------------------------------------------------------------------- damage
 
 

@@ -28,6 +28,10 @@ same thread pool hashes the ``pages-*.img`` files: both read the same files, so 
 cache makes it one read from the disk. If a checksum differs, the restored tree is
 killed before the server is handed back, and the restore fails (the spawner starts a
 fresh server). GPU memory is only restored once every checksum matched.
+
+``restore_mode = "lazy"`` (docs/lazy-restore.md) runs the tree before its memory is back,
+each page checked as it arrives (lazy.py); a damaged page then kills the running tree and
+marks the checkpoint failed. Its GPU memory is restored before the server is handed out.
 """
 
 from __future__ import annotations
@@ -1380,6 +1384,10 @@ class LocalBackend(CheckpointBackend):
         raises :class:`CheckpointError` with nothing left running (the caller marks the
         checkpoint failed and starts afresh). On success the checkpoint is marked
         ``restored``.
+
+        With ``restore_mode = "lazy"`` the tree runs before its memory is back (every page
+        checked as it arrives, :meth:`_restore_lazily`); a damaged page found after that
+        kills the tree and marks the checkpoint failed (docs/lazy-restore.md).
         """
         restore_started = time.time()
         folder = Path(info.location) if info.location else self.folder(info.id)
@@ -1703,7 +1711,9 @@ class LocalBackend(CheckpointBackend):
         if m.storage == "chunks":
             store = self._restore_store(m, key, cid)
             return lazy.ChunksImage(store, m.key_id, m.chunks, m.sizes), ""
-        missing = [n for n in sorted(m.files) if is_pages_file(n) and not (folder / sums_name(n)).is_file()]
+        missing = [
+            n for n in sorted(m.files) if is_pages_file(n) and not (folder / sums_name(n)).is_file()
+        ]  # fmt: skip
         if missing:
             return None, (f"no page checksums for {', '.join(missing[:3])} (written in the "
                           "background after a suspension with restore_mode = 'lazy')")  # fmt: skip
