@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from test_restore_e2e import service_backend, snap_config, suspend
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from jupyterhub_gpusnap.checkpoint import lazy
 from jupyterhub_gpusnap.checkpoint.chunks import STORE
@@ -30,6 +31,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.criu]
 LAZY = """
 c.LocalBackend.restore_mode = "lazy"
 c.Spawner.poll_interval = 1
+c.JupyterHub.authenticate_prometheus = False
 """
 
 HOLD = (
@@ -189,3 +191,8 @@ async def test_a_lazy_restore_brings_the_kernel_back_and_a_damaged_page_fails_sa
     _, out = await hub.execute("alice", "print('fresh', 'x' in globals())")
     assert out.strip() == "fresh False"
     assert await backend.latest("alice", "") is None  # nothing left to restore
+    # counted where the restores ran: the Hub's /hub/metrics
+    resp = await AsyncHTTPClient().fetch(HTTPRequest(hub.url + "hub/metrics"))
+    text = resp.body.decode()
+    assert 'gpusnap_lazy_restores_total{result="ok"} 1.0' in text, text[-2000:]
+    assert 'gpusnap_lazy_restores_total{result="failed"} 1.0' in text
