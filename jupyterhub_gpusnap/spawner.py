@@ -394,6 +394,12 @@ class SnapSpawnerMixin(LocalProcessSpawner):
     async def _restore_failed(self, info: CheckpointInfo, error: Exception) -> None:
         """Keep the image (failed), revoke the token it holds, tell the user, go on fresh."""
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+        try:  # the backend may know better (a lazy restore's damaged page killed the tree)
+            now = await self.backend.get(info.id)
+        except Exception:
+            now = None
+        if now is not None and now.status == "failed" and now.error:
+            reason = now.error.splitlines()[0]
         self.log.error(
             "%s: restore of checkpoint %s failed, starting a fresh server: %s",
             self.server_key, info.id, error,
