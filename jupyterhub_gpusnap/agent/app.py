@@ -82,7 +82,6 @@ from .kubelet import KubeAPI, KubeletClient
 from .placeholder import JOINABLE_NAMESPACES, PLACEHOLDER_ANNOTATION, Placeholder, pick_root
 from .pods import CpuMeter, PodMapper, container_id
 from .rbac import Need, agent_rbac_needs
-from .restore_launch import restore_inheriting
 from .runtime_state import find_state
 from .ship import Shipper, delete_local, remove_tree, sweep_archives
 
@@ -1089,7 +1088,7 @@ class AgentApp(Application):
                 "(CRI-O with runc: /run/runc; containerd: /run/containerd/runc/k8s.io)",
                 409,
             )
-        return await restore_inheriting(
+        return await criu_tools.restore(
             images,
             scratch / "restore.pid",
             criu=self.criu_path,

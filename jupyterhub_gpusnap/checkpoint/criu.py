@@ -27,6 +27,7 @@ rely on). The caller keeps the returned :class:`Restored` handle.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
@@ -207,6 +208,7 @@ async def restore(
     log_name: str | None = None,
     timeout: float = 600,
     cgroup: Path | str | None = None,
+    inherit: list[tuple[str, str]] | tuple[tuple[str, str], ...] = (),
 ) -> Restored:
     """Restore the tree in ``directory``; return once it runs, with its root's host pid.
 
@@ -215,6 +217,9 @@ async def restore(
     its pid into ``<cgroup>/cgroup.procs`` before it execs criu), so every restored task
     is born there and its memory is charged there; pass ``--manage-cgroups=ignore`` in
     ``extra`` to keep CRIU from moving tasks back to the checkpointed cgroups.
+    ``inherit``: ``(path, key)`` pairs, each path opened (namespaces read-only, the rest
+    read-write) and handed to CRIU as ``--inherit-fd fd[N]:key`` (a container's network
+    namespace, its stdio pipes: the node agent's restore into a placeholder).
     Raises :class:`CheckpointError` with the log tail when the restore fails.
     """
     binary = find_criu(criu)
@@ -231,7 +236,6 @@ async def restore(
         args.append("--file-locks")
     if shell_job:
         args.append("--shell-job")
-    args += list(extra)
     enter = None
     if cgroup is not None:
         procs = Path(cgroup) / "cgroup.procs"
@@ -241,20 +245,35 @@ async def restore(
                 "mount the cgroup v2 hierarchy read-write and run as root"
             )
         enter = _enter_cgroup(str(procs))
-    # Popen, not an asyncio subprocess: an asyncio transport kills its child when it is
-    # closed or collected, and this child must outlive the caller's event loop.
+    fds: list[int] = []
     try:
-        proc = subprocess.Popen(
-            args,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            close_fds=True,
-            preexec_fn=enter,
-        )
-    except subprocess.SubprocessError as e:  # the preexec_fn failed: nothing was started
-        raise CheckpointError(f"cannot start criu restore in cgroup {cgroup}: {e}") from e
+        for path, key in inherit:
+            try:
+                fd = os.open(path, os.O_RDONLY if "/ns/" in path else os.O_RDWR)
+            except OSError as e:
+                raise CheckpointError(f"cannot open {path} to hand to CRIU as {key}: {e}") from e
+            fds.append(fd)
+            args += ["--inherit-fd", f"fd[{fd}]:{key}"]
+        args += list(extra)
+        # Popen, not an asyncio subprocess: an asyncio transport kills its child when it is
+        # closed or collected, and this child must outlive the caller's event loop.
+        try:
+            proc = subprocess.Popen(
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=fds,
+                preexec_fn=enter,
+            )
+        except subprocess.SubprocessError as e:  # the preexec_fn failed: nothing was started
+            raise CheckpointError(f"cannot start criu restore in cgroup {cgroup}: {e}") from e
+    finally:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
     log = directory / log_name
     deadline = time.monotonic() + timeout
     while True:
