@@ -28,7 +28,7 @@ import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import AgentError
+from ..kube.errors import AgentError
 
 #: The external key runc gives the pod network namespace a container joined.
 NET_KEY = "extRootNetNS"

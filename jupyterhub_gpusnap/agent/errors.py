@@ -1,22 +1,8 @@
-"""The one error type of the agent: what went wrong, what to do, and the HTTP status to answer."""
+"""Reading the agent's request bodies; a bad one is a 400 :class:`AgentError`."""
 
 from __future__ import annotations
 
-
-class AgentError(Exception):
-    """A failure the agent reports as ``{"error": message, "fix": fix}`` with ``code``."""
-
-    def __init__(self, message: str, fix: str = "", code: int = 500):
-        super().__init__(message)
-        self.message = message
-        self.fix = fix
-        self.code = code
-
-    def as_dict(self) -> dict:
-        return {"error": self.message, "fix": self.fix}
-
-    def __str__(self) -> str:
-        return f"{self.message} (fix: {self.fix})" if self.fix else self.message
+from ..kube.errors import AgentError
 
 
 def need(body: dict, field: str) -> str:

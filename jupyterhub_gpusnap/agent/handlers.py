@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from tornado import web
 
-from .errors import AgentError
+from ..kube.errors import AgentError
 
 if TYPE_CHECKING:
     from .app import AgentApp

@@ -36,8 +36,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..kube.errors import AgentError
 from .container_archive import MASK_KEY, NET_KEY, ContainerArchive
-from .errors import AgentError
 from .runtime_state import RuntimeState
 
 #: Pod annotation SnapKubeSpawner puts on a placeholder pod: the checkpoint it waits for.

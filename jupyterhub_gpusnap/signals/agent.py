@@ -13,8 +13,8 @@ from urllib.parse import urlencode
 
 from traitlets import Float, Instance, default
 
-from ..agent.errors import AgentError
-from ..checkpoint.kubernetes import AgentLocator
+from ..kube.agent import AgentLocator
+from ..kube.errors import AgentError
 from ..model import Sample, Server
 from .base import SignalSource
 
