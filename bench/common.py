@@ -51,7 +51,7 @@ def machine() -> dict:
         "driver": "",
     }
     try:
-        from jupyterhub_gpusnap.signals.nvml import Nvml
+        from jupyterhub_gpusnap.gpu.nvml import Nvml
 
         nv = Nvml()
         if nv.open():

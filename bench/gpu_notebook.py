@@ -236,7 +236,7 @@ def check_machine(root: Path, sizes: list[float]) -> str:
         if not shutil.which(tool):
             sys.exit(f"{tool} not on PATH (source .carry/kit.sh)")
     from jupyterhub_gpusnap.checkpoint.criu import find_criu
-    from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
+    from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
 
     criu = find_criu()
     if not criu:
@@ -397,7 +397,7 @@ class Gpu:
     """NVML in this process: memory used on all GPUs, and which pids hold GPU memory."""
 
     def __init__(self):
-        from jupyterhub_gpusnap.signals.nvml import Nvml
+        from jupyterhub_gpusnap.gpu.nvml import Nvml
 
         self.nv = Nvml()
         if not self.nv.open():
@@ -1057,8 +1057,8 @@ async def measure(
     from realhub import RealHub
 
     from jupyterhub_gpusnap.checkpoint.criu import criu_version
-    from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
     from jupyterhub_gpusnap.checkpoint.local import LocalBackend
+    from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
 
     gpu = Gpu()
     cuda = CudaCheckpoint()

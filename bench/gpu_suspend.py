@@ -49,9 +49,9 @@ from pathlib import Path
 from common import machine, print_table, results_dir
 
 from jupyterhub_gpusnap.checkpoint.criu import find_criu
-from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest
+from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
 from jupyterhub_gpusnap.model import Server
 
 HERE = Path(__file__).parent

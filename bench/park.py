@@ -3,7 +3,7 @@
 For each size (GiB, from argv; default 1 8 24) a PyTorch process fills that much GPU
 memory with random data. The bench then measures, on the same process:
 
-- ``park_s`` / ``unpark_s``: :func:`jupyterhub_gpusnap.park.park` and ``unpark``, as
+- ``park_s`` / ``unpark_s``: :func:`jupyterhub_gpusnap.gpu.park.park` and ``unpark``, as
   the service calls them (NVML look-up and host-RAM check included);
 - ``driver_checkpoint_s`` / ``driver_restore_s`` (and lock/unlock): the bare
   ``cuCheckpointProcess*`` calls made directly with ctypes, for comparison;
@@ -22,14 +22,14 @@ import time
 
 from common import print_table, write_json
 
-from jupyterhub_gpusnap.checkpoint.cuda import (
+from jupyterhub_gpusnap.gpu.cuda import (
     CUcheckpointCheckpointArgs,
     CUcheckpointLockArgs,
     CUcheckpointRestoreArgs,
     CUcheckpointUnlockArgs,
     CudaCheckpoint,
 )
-from jupyterhub_gpusnap.park import park, unpark
+from jupyterhub_gpusnap.gpu.park import park, unpark
 from tests.gpu_helpers import GpuProcess
 
 COLUMNS = [

@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 from kernel_ws import execute, new_kernel  # noqa: E402
 from test_gpu_park import JupyterServer  # noqa: E402
 
-from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint  # noqa: E402
-from jupyterhub_gpusnap.park import park  # noqa: E402
-from jupyterhub_gpusnap.signals.nvml import tree_pids  # noqa: E402
+from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint  # noqa: E402
+from jupyterhub_gpusnap.gpu.park import park  # noqa: E402
+from jupyterhub_gpusnap.procs import tree_pids  # noqa: E402
 
 GiB = 1024**3
 

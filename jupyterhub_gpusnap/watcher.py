@@ -19,7 +19,7 @@ from traitlets.config import LoggingConfigurable
 
 from . import metrics
 from .checkpoint.base import CheckpointBackend, CheckpointError, CheckpointRefused
-from .gpuview import GpuReading, GpuView, local_gpus, pick
+from .gpu.view import GpuReading, GpuView, local_gpus, pick
 from .hub import HubClient, HubError
 from .model import Sample, Server, State
 from .policy import Decision, Policy, ServerStatus, step
@@ -559,7 +559,7 @@ class Watcher(LoggingConfigurable):
     def cuda(self):
         """The CUDA checkpoint layer used for parking (one per watcher; a no-op without a driver)."""
         if self._cuda is None:
-            from .checkpoint.cuda import CudaCheckpoint
+            from .gpu.cuda import CudaCheckpoint
 
             self._cuda = CudaCheckpoint(parent=self)
         return self._cuda
@@ -568,8 +568,8 @@ class Watcher(LoggingConfigurable):
         self, server: Server, status: ServerStatus, unpark: bool = False, reason: str = "", detail: dict | None = None
     ):
         """Park (or unpark) a server's GPU memory; returns the ParkResult, or None if refused/failed."""
-        from .park import park
-        from .park import unpark as do_unpark
+        from .gpu.park import park
+        from .gpu.park import unpark as do_unpark
 
         action = "unpark" if unpark else "park"
         # a backend whose servers run elsewhere (Kubernetes: the node agent) parks them itself
@@ -606,7 +606,7 @@ class Watcher(LoggingConfigurable):
         """NVML as the CUDA checkpoint layer uses it (GPU free memory and per-process memory)."""
         cuda = self.cuda
         if cuda.nvml is None:
-            from .signals.nvml import Nvml
+            from .gpu.nvml import Nvml
 
             cuda.nvml = Nvml()
         return cuda.nvml

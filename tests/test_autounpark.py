@@ -16,9 +16,9 @@ import pytest
 from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
 from test_cuda_absent import CHECKPOINTED, LOCKED, RUNNING, FakeLibcuda
 
-from jupyterhub_gpusnap.autounpark import AutoUnpark, kernel_pid
 from jupyterhub_gpusnap.checkpoint import CheckpointError
-from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
+from jupyterhub_gpusnap.gpu.autounpark import AutoUnpark, kernel_pid
+from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
 
 log = logging.getLogger("test")
 

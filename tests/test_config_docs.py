@@ -8,13 +8,13 @@ from pathlib import Path
 
 from jupyterhub_gpusnap.agent.kubelet import KubeAPI
 from jupyterhub_gpusnap.app import GpuSnap
-from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
 from jupyterhub_gpusnap.checkpoint.kubernetes import AgentLocator, KubernetesBackend
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend
 from jupyterhub_gpusnap.checkpoint.oci import RegistryClient
+from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
+from jupyterhub_gpusnap.gpu.park import Parking
 from jupyterhub_gpusnap.hub import HubClient
 from jupyterhub_gpusnap.notify import Mailer, Notifier, ServiceNotifier
-from jupyterhub_gpusnap.park import Parking
 from jupyterhub_gpusnap.retry import Backoff
 from jupyterhub_gpusnap.signals.agent import AgentSignal
 from jupyterhub_gpusnap.signals.base import SignalSource

@@ -21,7 +21,7 @@ import pynvml
 import pytest
 
 from jupyterhub_gpusnap.checkpoint.base import CheckpointError, CheckpointRefused
-from jupyterhub_gpusnap.checkpoint.cuda import (
+from jupyterhub_gpusnap.gpu.cuda import (
     CUcheckpointCheckpointArgs,
     CUcheckpointLockArgs,
     CUcheckpointRestoreArgs,
@@ -29,9 +29,11 @@ from jupyterhub_gpusnap.checkpoint.cuda import (
     CudaCheckpoint,
     GpuBusy,
 )
+from jupyterhub_gpusnap.gpu.nvml import Nvml
+from jupyterhub_gpusnap.gpu.park import GiB, Parking, ParkResult, check_host_memory, park, unpark
 from jupyterhub_gpusnap.model import Server
-from jupyterhub_gpusnap.park import GiB, Parking, ParkResult, check_host_memory, park, unpark
-from jupyterhub_gpusnap.signals.nvml import Nvml, NvmlSignal, tree_pids
+from jupyterhub_gpusnap.procs import tree_pids
+from jupyterhub_gpusnap.signals.nvml import NvmlSignal
 
 RUNNING, LOCKED, CHECKPOINTED = 0, 1, 2
 

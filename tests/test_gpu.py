@@ -14,10 +14,12 @@ import time
 import pytest
 
 from jupyterhub_gpusnap.checkpoint.base import CheckpointRefused
-from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint, GpuBusy
+from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint, GpuBusy
+from jupyterhub_gpusnap.gpu.nvml import Nvml
+from jupyterhub_gpusnap.gpu.park import Parking, park, unpark
 from jupyterhub_gpusnap.model import Server
-from jupyterhub_gpusnap.park import Parking, park, unpark
-from jupyterhub_gpusnap.signals.nvml import Nvml, NvmlSignal, tree_pids
+from jupyterhub_gpusnap.procs import tree_pids
+from jupyterhub_gpusnap.signals.nvml import NvmlSignal
 
 try:
     from tests.gpu_helpers import GiB, GpuProcess

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 
 from jupyterhub_gpusnap.checkpoint import CheckpointError, local
-from jupyterhub_gpusnap.checkpoint.gpucompat import (
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend
+from jupyterhub_gpusnap.checkpoint.manifest import Manifest
+from jupyterhub_gpusnap.gpu.compat import (
     GpuNeeds,
     gpu_difference,
     gpu_mismatch,
 )
-from jupyterhub_gpusnap.checkpoint.local import LocalBackend
-from jupyterhub_gpusnap.checkpoint.manifest import Manifest
 from jupyterhub_gpusnap.model import Server
 
 H100 = "NVIDIA H100 80GB HBM3"

@@ -16,9 +16,9 @@ import pytest
 from kernel_ws import execute, new_kernel
 from realhub import free_port
 
-from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint, GpuBusy
-from jupyterhub_gpusnap.park import park
-from jupyterhub_gpusnap.signals.nvml import tree_pids
+from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint, GpuBusy
+from jupyterhub_gpusnap.gpu.park import park
+from jupyterhub_gpusnap.procs import tree_pids
 
 pytestmark = pytest.mark.gpu
 
@@ -34,7 +34,7 @@ class JupyterServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "jupyter_server", "--allow-root", "--no-browser",
              f"--ServerApp.port={self.port}", f"--IdentityProvider.token={self.token}",
-             "--ServerApp.jpserver_extensions=jupyterhub_gpusnap.autounpark=True",
+             "--ServerApp.jpserver_extensions=jupyterhub_gpusnap.gpu.autounpark=True",
              f"--ServerApp.root_dir={tmp_path}"],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=tmp_path,
         )

@@ -16,8 +16,8 @@ from gpu_suspend import Holder, kill  # noqa: E402
 
 from jupyterhub_gpusnap.checkpoint.criu import find_criu  # noqa: E402
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend  # noqa: E402
+from jupyterhub_gpusnap.gpu.nvml import Nvml  # noqa: E402
 from jupyterhub_gpusnap.model import Server  # noqa: E402
-from jupyterhub_gpusnap.signals.nvml import Nvml  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

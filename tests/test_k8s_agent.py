@@ -30,12 +30,12 @@ from tornado.httpclient import AsyncHTTPClient
 
 from jupyterhub_gpusnap.agent.pods import CpuMeter, container_id, parse_cgroup, parse_cpu_stat
 from jupyterhub_gpusnap.checkpoint import CheckpointError, CheckpointRefused
-from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
 from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
+from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
+from jupyterhub_gpusnap.gpu.nvml import Nvml
 from jupyterhub_gpusnap.model import Server, State
 from jupyterhub_gpusnap.policy import Policy, Rule, ServerStatus
 from jupyterhub_gpusnap.signals.agent import AgentSignal
-from jupyterhub_gpusnap.signals.nvml import Nvml
 from jupyterhub_gpusnap.store import Store
 from jupyterhub_gpusnap.watcher import Watcher
 

@@ -17,12 +17,12 @@ from gpusnap_service import GpuSnapService
 from test_cuda_absent import CHECKPOINTED, RUNNING, FakeLibcuda
 from test_make_room import SharedGpus, U, metric
 
-from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
 from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
-from jupyterhub_gpusnap.gpuview import RoomRequestError
+from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
+from jupyterhub_gpusnap.gpu.nvml import Nvml
+from jupyterhub_gpusnap.gpu.view import RoomRequestError
 from jupyterhub_gpusnap.model import Server, State
 from jupyterhub_gpusnap.policy import Policy, Rule, ServerStatus
-from jupyterhub_gpusnap.signals.nvml import Nvml
 from jupyterhub_gpusnap.store import Store
 from jupyterhub_gpusnap.watcher import Watcher
 

@@ -17,10 +17,10 @@ from test_cuda_absent import CHECKPOINTED, RUNNING, FakeLibcuda, FakeNvmlLib
 from traitlets import TraitError
 
 from jupyterhub_gpusnap import metrics
-from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
+from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
+from jupyterhub_gpusnap.gpu.nvml import Nvml
 from jupyterhub_gpusnap.model import Server, State
 from jupyterhub_gpusnap.policy import Policy, Rule, ServerStatus
-from jupyterhub_gpusnap.signals.nvml import Nvml
 from jupyterhub_gpusnap.store import Store
 from jupyterhub_gpusnap.watcher import Watcher
 

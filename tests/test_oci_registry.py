@@ -21,7 +21,7 @@ from registry import Registry, docker_config
 
 from jupyterhub_gpusnap.agent.ship import Shipper
 from jupyterhub_gpusnap.checkpoint import oci
-from jupyterhub_gpusnap.checkpoint.gpucompat import GpuNeeds
+from jupyterhub_gpusnap.gpu.compat import GpuNeeds
 
 pytestmark = [pytest.mark.k8s, pytest.mark.criu]
 

@@ -251,7 +251,7 @@ def test_the_notebook_side_imports_without_the_hub_side(light_venv):
     script = (
         "import importlib, importlib.util, json\n"
         f"absent = [m for m in {HUB_SIDE!r} if importlib.util.find_spec(m) is None]\n"
-        "import jupyterhub_gpusnap.serverext, jupyterhub_gpusnap.autounpark\n"
+        "import jupyterhub_gpusnap.serverext, jupyterhub_gpusnap.gpu.autounpark\n"
         "import jupyterhub_gpusnap.agent.app\n"
         "try:\n"
         "    importlib.import_module('jupyterhub_gpusnap.app')\n"

@@ -24,9 +24,9 @@ import scale  # noqa: E402  (bench/scale.py)
 from test_cuda_absent import FakeLibcuda  # noqa: E402
 from test_make_room import SharedGpus, U, metric  # noqa: E402
 
-from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint  # noqa: E402
+from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint  # noqa: E402
+from jupyterhub_gpusnap.gpu.nvml import Nvml  # noqa: E402
 from jupyterhub_gpusnap.model import State  # noqa: E402
-from jupyterhub_gpusnap.signals.nvml import Nvml  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 

@@ -23,8 +23,8 @@ from test_autounpark import SlowRestoreLibcuda, start_cell
 from test_cuda_absent import CHECKPOINTED, RUNNING
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
-from jupyterhub_gpusnap.autounpark import AutoUnpark, kernel_pid
-from jupyterhub_gpusnap.checkpoint.cuda import CudaCheckpoint
+from jupyterhub_gpusnap.gpu.autounpark import AutoUnpark, kernel_pid
+from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
 from jupyterhub_gpusnap.serverext import service_url_from_env
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,7 @@ request carries ``Authorization: Bearer <token>``; errors are
   (an archive whose push failed on the registry's or PVC's side stays on the node until a
   checkpoint of that container ships, at most ``kept_archive_max_age``; see :mod:`.kept`).
   The image records what its GPU memory needs (GPU model, devices, driver; see
-  :mod:`~jupyterhub_gpusnap.checkpoint.gpucompat`), and so does the reply (``gpu``)
+  :mod:`~jupyterhub_gpusnap.gpu.compat`), and so does the reply (``gpu``)
 - ``POST /v1/restore`` → refuse (409) a checkpoint whose GPU memory this node's GPUs
   or driver cannot take, fetch by digest, unpack, ``criu restore`` into the placeholder
   pod's container (its root, net/ipc/uts namespaces and cgroup), resume GPU memory
@@ -58,13 +58,13 @@ from traitlets.config import Application
 from .. import __version__
 from ..checkpoint import criu as criu_tools
 from ..checkpoint.base import CheckpointError, CheckpointRefused
-from ..checkpoint.cuda import CudaCheckpoint
-from ..checkpoint.gpucompat import GpuNeeds, gpu_difference
-from ..gpuview import agent_payload, read_devices
-from ..park import Parking
-from ..park import park as park_pids
-from ..park import unpark as unpark_pids
-from ..signals.nvml import Nvml
+from ..gpu.compat import GpuNeeds, gpu_difference
+from ..gpu.cuda import CudaCheckpoint
+from ..gpu.nvml import Nvml
+from ..gpu.park import Parking
+from ..gpu.park import park as park_pids
+from ..gpu.park import unpark as unpark_pids
+from ..gpu.view import agent_payload, read_devices
 from .container_archive import ContainerArchive, apply_rootfs_diff
 from .errors import AgentError, need
 from .handlers import (
@@ -854,7 +854,7 @@ class AgentApp(Application):
         )
 
     def gpus_here(self) -> dict:
-        """This node's GPUs as :func:`~jupyterhub_gpusnap.checkpoint.gpucompat.gpu_difference`
+        """This node's GPUs as :func:`~jupyterhub_gpusnap.gpu.compat.gpu_difference`
         reads them (``gpu_model``, ``gpu_count``, ``driver_version``; ``error`` without
         NVML). Blocking (NVML)."""
         try:
@@ -1100,7 +1100,7 @@ class AgentApp(Application):
 
     async def park(self, body: dict, resume: bool) -> dict:
         """Park (or unpark) a pod's GPU memory with the same code the service uses on one
-        machine (:mod:`jupyterhub_gpusnap.park`): host-memory headroom checked first, only
+        machine (:mod:`jupyterhub_gpusnap.gpu.park`): host-memory headroom checked first, only
         processes holding GPU memory locked, 409 when the GPU is busy or RAM is short."""
         ns, name = need(body, "namespace"), need(body, "pod")
         if not await asyncio.to_thread(self.cuda.available):

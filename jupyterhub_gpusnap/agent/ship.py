@@ -22,7 +22,7 @@ from traitlets import Integer, Unicode
 from traitlets.config import LoggingConfigurable
 
 from ..checkpoint import oci
-from ..checkpoint.gpucompat import GpuNeeds
+from ..gpu.compat import GpuNeeds
 from .errors import AgentError
 
 
@@ -131,7 +131,7 @@ class Shipper(LoggingConfigurable):
         """Push ``archive`` as a checkpoint image under ``repository`` and verify it.
 
         ``gpu``: what the checkpoint's GPU memory needs, written as manifest annotations
-        (:mod:`~jupyterhub_gpusnap.checkpoint.gpucompat`) that :meth:`gpu_needs` reads back.
+        (:mod:`~jupyterhub_gpusnap.gpu.compat`) that :meth:`gpu_needs` reads back.
 
         Requests that fail for a moment are tried again and a failed chunk resumes where the
         registry is (:class:`~jupyterhub_gpusnap.checkpoint.oci.RegistryClient`, ``Backoff``);

@@ -37,7 +37,7 @@ from traitlets.config import LoggingConfigurable
 
 from ..agent.errors import AgentError
 from ..agent.kubelet import KubeAPI
-from ..gpuview import GpuReading, from_agent
+from ..gpu.view import GpuReading, from_agent
 from ..model import Server
 from ..retry import Backoff
 from . import oci
@@ -440,10 +440,10 @@ class KubernetesBackend(CheckpointBackend):
 
     async def park(self, server: Server, unpark: bool = False):
         """Park (or unpark) ``server``'s GPU memory through the agent on its pod's node;
-        a :class:`~jupyterhub_gpusnap.park.ParkResult`. Raises :class:`CheckpointRefused`
+        a :class:`~jupyterhub_gpusnap.gpu.park.ParkResult`. Raises :class:`CheckpointRefused`
         when the agent declines (GPU busy, host RAM short, no CUDA on the node: 409) and
         :class:`CheckpointError` otherwise."""
-        from ..park import ParkResult
+        from ..gpu.park import ParkResult
 
         namespace, pod = self.locator.pod_of(server)
         try:

@@ -56,13 +56,13 @@ import psutil
 from traitlets import Bool, Enum, Float, Integer, List, TraitError, Unicode, validate
 
 from .. import sandbox
+from ..gpu.compat import gpu_mismatch
 from ..model import Server, server_key
 from ..procs import boot_clock, started_since, tree_pids
 from . import criu, lazy
 from . import scrub as chunk_scrub
 from .base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
 from .chunks import PAGE, STORE, ChunkStore, Follower
-from .gpucompat import gpu_mismatch
 from .keys import Key, KeyFileError, load_keys
 from .manifest import (
     CHUNK_BYTES,
@@ -557,7 +557,7 @@ class LocalBackend(CheckpointBackend):
         """The CUDA checkpoint layer (None when the module is not installed)."""
         if self._cuda_obj is None and not self._cuda_missing:
             try:
-                from .cuda import CudaCheckpoint
+                from ..gpu.cuda import CudaCheckpoint
             except ImportError as e:
                 self.log.warning("GPU checkpointing unavailable (%s): CPU state only", e)
                 self._cuda_missing = True

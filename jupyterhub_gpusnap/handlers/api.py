@@ -9,7 +9,7 @@ from datetime import datetime
 from tornado import web
 
 from .. import __version__
-from ..gpuview import RoomRequestError
+from ..gpu.view import RoomRequestError
 from ..model import Server, State, server_key
 from ..signals.jupyter import Report, ReportError
 from .base import APIHandler, iso

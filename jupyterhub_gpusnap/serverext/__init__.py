@@ -31,7 +31,7 @@ def on_status(serverapp, status: dict) -> None:
     gets its GPU memory back by itself. Before that nothing here touches the GPU driver."""
     if status.get("state") != "parked" or serverapp.web_app.settings.get("gpusnap_autounpark"):
         return
-    from ..autounpark import _load_jupyter_server_extension as start_autounpark
+    from ..gpu.autounpark import _load_jupyter_server_extension as start_autounpark
 
     start_autounpark(serverapp)
 

@@ -6,7 +6,7 @@ copied the memory back. Parking is the cheap first step of a suspension and the
 whole of it where a server may stay in memory.
 
 :func:`park` and :func:`unpark` are plain functions over a
-:class:`~jupyterhub_gpusnap.checkpoint.cuda.CudaCheckpoint`; :class:`Parking` holds
+:class:`~jupyterhub_gpusnap.gpu.cuda.CudaCheckpoint`; :class:`Parking` holds
 the settings an admin tunes.
 """
 
@@ -20,8 +20,8 @@ import psutil
 from traitlets import Integer
 from traitlets.config import LoggingConfigurable
 
-from .checkpoint.base import CheckpointRefused
-from .checkpoint.cuda import CudaCheckpoint
+from ..checkpoint.base import CheckpointRefused
+from .cuda import CudaCheckpoint
 
 GiB = 1024**3
 
@@ -67,7 +67,7 @@ async def park(
 
     Idempotent (pids already parked are reported again, with nothing moved for them);
     pids without a CUDA context and pids that exit meanwhile are skipped. Raises
-    :class:`~jupyterhub_gpusnap.checkpoint.cuda.GpuBusy` (retry later) when a cell is
+    :class:`~jupyterhub_gpusnap.gpu.cuda.GpuBusy` (retry later) when a cell is
     running on the GPU, :class:`CheckpointRefused` when host RAM is short; in both
     cases nothing changed. Without a CUDA driver: an empty result.
     """

@@ -13,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .model import Server
-from .procs import tree_pids
+from ..model import Server
+from ..procs import tree_pids
 
 
 @dataclass

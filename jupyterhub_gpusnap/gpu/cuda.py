@@ -23,8 +23,8 @@ from traitlets import Any as AnyTrait
 from traitlets import Integer, Unicode
 from traitlets.config import LoggingConfigurable
 
-from ..signals.nvml import Nvml
-from .base import CheckpointError, CheckpointRefused
+from ..checkpoint.base import CheckpointError, CheckpointRefused
+from .nvml import Nvml
 
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_READY = 600

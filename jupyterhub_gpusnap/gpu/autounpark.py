@@ -19,7 +19,7 @@ from datetime import datetime, timezone
 from traitlets import Float
 from traitlets.config import LoggingConfigurable
 
-from .procs import tree_pids
+from ..procs import tree_pids
 
 PARKED_STATES = ("checkpointed", "locked")
 
@@ -54,7 +54,7 @@ class AutoUnpark(LoggingConfigurable):
         super().__init__(**kwargs)
         self.kernel_manager = kernel_manager
         if cuda is None:
-            from .checkpoint.cuda import CudaCheckpoint
+            from .cuda import CudaCheckpoint
 
             cuda = CudaCheckpoint(parent=self)
         self.cuda = cuda
@@ -146,7 +146,7 @@ class AutoUnpark(LoggingConfigurable):
 
 
 def _jupyter_server_extension_points():
-    return [{"module": "jupyterhub_gpusnap.autounpark"}]
+    return [{"module": "jupyterhub_gpusnap.gpu.autounpark"}]
 
 
 def _load_jupyter_server_extension(serverapp) -> None:
