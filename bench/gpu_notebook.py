@@ -99,9 +99,6 @@ from pathlib import Path
 
 from common import ROOT, GiB, print_table, write_json
 
-if str(ROOT / "tests") not in sys.path:  # realhub, kernel_ws and their siblings by name
-    sys.path.insert(0, str(ROOT / "tests"))
-
 MiB = 1 << 20
 BENCH_USER = "gpusnap-bench"  # --user: the Unix user whose servers are measured
 DEFAULT_SIZES = [1.0, 8.0, 24.0]
@@ -681,7 +678,7 @@ class BareServer:
         self.pw = pw
         os.chown(folder, pw.pw_uid, pw.pw_gid)
         self.log = folder / "server.log"
-        from ports import free_port
+        from tests.helpers.ports import free_port
 
         self.port = free_port()
         self.token = secrets.token_hex(16)
@@ -760,7 +757,7 @@ class BareServer:
 async def execute_bare(
     server: BareServer, kernel: str, code: str, timeout: float, what: str
 ) -> str:
-    from kernel_ws import execute
+    from tests.helpers.kernel_ws import execute
 
     out, _ = await bounded(
         execute(server.base, server.token, kernel, code, timeout), timeout + 10, what
@@ -791,10 +788,10 @@ async def run_criu(args: list[str], timeout: float, what: str, log: Path) -> Non
 async def bare_run(root: Path, criu: str, cuda, gpu: Gpu, pw: pwd.struct_passwd, gib: float,
                    nbytes: int, seed: int, live: list) -> dict:  # fmt: skip
     from gpu_suspend import drop_caches
-    from kernel_ws import new_kernel
 
     from jupyterhub_gpusnap.checkpoint.criu import needs_shell_job, read_pidfile
     from jupyterhub_gpusnap.procs import tree_pids
+    from tests.helpers.kernel_ws import new_kernel
 
     lim = Limits(gib)
     tag = f"{gib:g} GiB bare"
@@ -1054,11 +1051,10 @@ async def measure(
     torch_version: str,
     settings: dict | None,
 ) -> int:
-    from realhub import RealHub
-
     from jupyterhub_gpusnap.checkpoint.criu import criu_version
     from jupyterhub_gpusnap.checkpoint.local import LocalBackend
     from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
+    from tests.helpers.realhub import RealHub
 
     gpu = Gpu()
     cuda = CudaCheckpoint()

@@ -45,10 +45,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from common import ROOT, print_table, write_json
-
-if str(ROOT / "tests") not in sys.path:  # tests/realhub.py imports its siblings by name
-    sys.path.insert(0, str(ROOT / "tests"))
+from common import print_table, write_json
 
 from jupyterhub_gpusnap.checkpoint.base import CheckpointBackend, CheckpointInfo  # noqa: E402
 from jupyterhub_gpusnap.hub import HubClient  # noqa: E402

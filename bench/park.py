@@ -30,7 +30,7 @@ from jupyterhub_gpusnap.gpu.cuda import (
     CudaCheckpoint,
 )
 from jupyterhub_gpusnap.gpu.park import park, unpark
-from tests.gpu_helpers import GpuProcess
+from tests.helpers.gpu_helpers import GpuProcess
 
 COLUMNS = [
     "gib",

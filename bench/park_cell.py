@@ -16,21 +16,17 @@ import argparse
 import asyncio
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from common import machine, print_table, results_dir
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-
-from kernel_ws import execute, new_kernel  # noqa: E402
-from test_gpu_park import JupyterServer  # noqa: E402
-
 from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint  # noqa: E402
 from jupyterhub_gpusnap.gpu.park import park  # noqa: E402
 from jupyterhub_gpusnap.procs import tree_pids  # noqa: E402
+from tests.helpers.kernel_ws import execute, new_kernel  # noqa: E402
+from tests.test_gpu_park import JupyterServer  # noqa: E402
 
 GiB = 1024**3
 

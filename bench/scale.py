@@ -45,9 +45,6 @@ from pathlib import Path
 
 import psutil
 from common import ROOT, print_table, write_json
-
-if str(ROOT / "tests") not in sys.path:  # tests/realhub.py imports its siblings (ports) by name
-    sys.path.insert(0, str(ROOT / "tests"))
 from tornado.httpclient import HTTPRequest
 from tornado.simple_httpclient import SimpleAsyncHTTPClient
 
@@ -57,7 +54,7 @@ from jupyterhub_gpusnap.policy import Policy, Rule
 from jupyterhub_gpusnap.signals.base import SignalSource
 from jupyterhub_gpusnap.store import Store
 from jupyterhub_gpusnap.watcher import Watcher
-from tests.realhub import RealHub, free_port
+from tests.helpers.realhub import RealHub, free_port
 
 log = logging.getLogger("scale")
 

@@ -21,9 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from realhub import RealHub, free_port  # noqa: E402
+from tests.helpers.realhub import RealHub, free_port
 
 
 @pytest.fixture

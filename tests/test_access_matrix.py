@@ -26,8 +26,9 @@ from pathlib import Path
 from urllib.parse import urlencode
 
 import pytest
-from gpusnap_service import GpuSnapService
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
+
+from tests.helpers.gpusnap_service import GpuSnapService
 
 pytestmark = pytest.mark.e2e
 

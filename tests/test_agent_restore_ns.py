@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-from fake_kube import Cluster, Workload, cgroup2_mount
 from traitlets import TraitError
 
 from jupyterhub_gpusnap.agent.app import AgentApp
@@ -24,6 +23,7 @@ from jupyterhub_gpusnap.agent.ship import Shipper
 from jupyterhub_gpusnap.checkpoint import criu as criu_tools
 from jupyterhub_gpusnap.checkpoint.base import CheckpointError
 from jupyterhub_gpusnap.kubespawner import PLACEHOLDER_ANNOTATION
+from tests.helpers.fake_kube import Cluster, Workload, cgroup2_mount
 
 pytestmark = [pytest.mark.k8s, pytest.mark.criu]
 

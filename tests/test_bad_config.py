@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from realhub import free_port
+
+from tests.helpers.realhub import free_port
 
 #: (case id, config lines, words every failure line must contain)
 CASES = [

@@ -18,10 +18,11 @@ import re
 from pathlib import Path
 
 import pytest
-from gpusnap_service import GpuSnapService
 from playwright.async_api import async_playwright, expect
-from realhub import TEST_PASSWORD
 from test_serverext import spawner_environment, stop_recorded
+
+from tests.helpers.gpusnap_service import GpuSnapService
+from tests.helpers.realhub import TEST_PASSWORD
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
 

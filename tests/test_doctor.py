@@ -11,10 +11,10 @@ import json
 
 import pytest
 import tornado.web
-from fake_kube import A100, H100, FakeAgent, fake_cluster, free_port, make_node
 from tornado.httpserver import HTTPServer
 
 from jupyterhub_gpusnap.doctor import RBAC_NEEDS, Doctor, DoctorApp, format_table, runtime_check
+from tests.helpers.fake_kube import A100, H100, FakeAgent, fake_cluster, free_port, make_node
 
 pytestmark = pytest.mark.k8s
 

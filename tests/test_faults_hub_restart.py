@@ -23,13 +23,13 @@ import shutil
 from pathlib import Path
 
 import pytest
-from gpusnap_service import GpuSnapService
-from smtp_server import SmtpServer
 from test_restore_e2e import service_backend, snap_config
 
 from jupyterhub_gpusnap.checkpoint.local import is_alive
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest
 from jupyterhub_gpusnap.model import Server
+from tests.helpers.gpusnap_service import GpuSnapService
+from tests.helpers.smtp_server import SmtpServer
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.criu]
 

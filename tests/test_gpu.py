@@ -20,11 +20,7 @@ from jupyterhub_gpusnap.gpu.park import Parking, park, unpark
 from jupyterhub_gpusnap.model import Server
 from jupyterhub_gpusnap.procs import tree_pids
 from jupyterhub_gpusnap.signals.nvml import NvmlSignal
-
-try:
-    from tests.gpu_helpers import GiB, GpuProcess
-except ImportError:  # tests/ on sys.path instead of the repository root
-    from gpu_helpers import GiB, GpuProcess
+from tests.helpers.gpu_helpers import GiB, GpuProcess
 
 pytestmark = pytest.mark.gpu
 

@@ -28,9 +28,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from fake_kube import CRIU, NODE, Cluster, cgroup2_mount
 
 from jupyterhub_gpusnap import sandbox
+from tests.helpers.fake_kube import CRIU, NODE, Cluster, cgroup2_mount
 
 pytestmark = pytest.mark.gpu
 

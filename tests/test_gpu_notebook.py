@@ -19,11 +19,11 @@ import pwd
 
 import pynvml
 import pytest
-from gpusnap_service import GpuSnapService
-from smtp_server import SmtpServer
 from test_suspend_e2e import settings
 
 from jupyterhub_gpusnap.procs import tree_pids
+from tests.helpers.gpusnap_service import GpuSnapService
+from tests.helpers.smtp_server import SmtpServer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e, pytest.mark.criu]
 

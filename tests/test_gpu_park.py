@@ -13,12 +13,12 @@ import subprocess
 import sys
 
 import pytest
-from kernel_ws import execute, new_kernel
-from realhub import free_port
 
 from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint, GpuBusy
 from jupyterhub_gpusnap.gpu.park import park
 from jupyterhub_gpusnap.procs import tree_pids
+from tests.helpers.kernel_ws import execute, new_kernel
+from tests.helpers.realhub import free_port
 
 pytestmark = pytest.mark.gpu
 

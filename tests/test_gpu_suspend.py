@@ -5,13 +5,7 @@ Selected with ``-m gpu``; fails without an NVIDIA GPU, PyTorch, CRIU and root.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
-
 from gpu_suspend import Holder, kill  # noqa: E402
 
 from jupyterhub_gpusnap.checkpoint.criu import find_criu  # noqa: E402
@@ -52,7 +46,7 @@ async def test_gpu_process_suspended_and_restored_bit_identical(tmp_path, storag
 
 async def test_busy_gpu_refuses_and_leaves_the_process_running(tmp_path):
     from jupyterhub_gpusnap.checkpoint.base import CheckpointRefused
-    from tests.gpu_helpers import GpuProcess
+    from tests.helpers.gpu_helpers import GpuProcess
 
     backend = LocalBackend(checkpoint_dir=str(tmp_path / "ckpt"), criu_path=find_criu(), min_free_bytes=0,
                            lock_timeout_ms=1)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from smtp_server import SmtpServer
 
 from jupyterhub_gpusnap.app import GpuSnap
+from tests.helpers.smtp_server import SmtpServer
 
 pytestmark = pytest.mark.email
 

@@ -15,16 +15,6 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from fake_kube import (
-    AGENT_SECRET,
-    NODE,
-    Cluster,
-    Workload,
-    cgroup2_mount,
-    free_port,
-    validate,
-)
-from registry import Registry
 from test_cuda_absent import CHECKPOINTED, RUNNING, FakeLibcuda, FakeNvmlLib
 from tornado.httpclient import AsyncHTTPClient
 
@@ -38,6 +28,16 @@ from jupyterhub_gpusnap.policy import Policy, Rule, ServerStatus
 from jupyterhub_gpusnap.signals.agent import AgentSignal
 from jupyterhub_gpusnap.store import Store
 from jupyterhub_gpusnap.watcher import Watcher
+from tests.helpers.fake_kube import (
+    AGENT_SECRET,
+    NODE,
+    Cluster,
+    Workload,
+    cgroup2_mount,
+    free_port,
+    validate,
+)
+from tests.helpers.registry import Registry
 
 pytestmark = pytest.mark.k8s
 
@@ -425,7 +425,7 @@ async def test_checkpoint_to_pvc_through_the_apiserver_proxy(tmp_path):
         assert archive.parent == snapshots and archive.suffix == ".tar"
         record = json.loads(archive.with_suffix(".json").read_text())
         assert record["digest"] == info.extra["digest"] and record["server"] == "alice/"
-        from fake_kube import tar_names
+        from tests.helpers.fake_kube import tar_names
 
         names = tar_names(archive)
         for entry in (

@@ -12,8 +12,6 @@ import logging
 import time
 
 import pytest
-from fake_kube import NODE, Cluster
-from gpusnap_service import GpuSnapService
 from test_cuda_absent import CHECKPOINTED, RUNNING, FakeLibcuda
 from test_make_room import SharedGpus, U, metric
 
@@ -25,6 +23,8 @@ from jupyterhub_gpusnap.model import Server, State
 from jupyterhub_gpusnap.policy import Policy, Rule, ServerStatus
 from jupyterhub_gpusnap.store import Store
 from jupyterhub_gpusnap.watcher import Watcher
+from tests.helpers.fake_kube import NODE, Cluster
+from tests.helpers.gpusnap_service import GpuSnapService
 
 pytestmark = pytest.mark.k8s
 

@@ -10,14 +10,14 @@ import time
 from pathlib import Path
 
 import pytest
-from fake_kube import HUB_USER, FakeKube
-from fault_proxy import Fault, FaultProxy
 from traitlets import TraitError
 from traitlets.config import Config
 
 from jupyterhub_gpusnap.agent.errors import AgentError
 from jupyterhub_gpusnap.checkpoint.base import CheckpointInfo
 from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
+from tests.helpers.fake_kube import HUB_USER, FakeKube
+from tests.helpers.fault_proxy import Fault, FaultProxy
 
 pytestmark = pytest.mark.k8s
 
@@ -161,12 +161,11 @@ async def test_a_push_that_fails_every_time_leaves_the_server_running(tmp_path):
     refuses every chunk: the checkpoint fails after a bounded number of tries, saying so,
     and the server's container runs on; nothing is recorded. The kubelet's archive stays
     on the node (one per container) until a later checkpoint of the container ships."""
-    import oci_runtime
-    from fake_kube import Cluster, Workload, cgroup2_mount
-    from registry import Registry
-
     from jupyterhub_gpusnap.checkpoint.base import CheckpointError
     from jupyterhub_gpusnap.model import Server
+    from tests.helpers import oci_runtime
+    from tests.helpers.fake_kube import Cluster, Workload, cgroup2_mount
+    from tests.helpers.registry import Registry
 
     registry = await Registry(tmp_path / "registry").start()
     gateway = await FaultProxy(f"http://{registry.host}").start()
@@ -240,9 +239,8 @@ async def test_kept_archives_older_than_the_limit_are_swept_at_start_and_while_r
     while it runs; archives it did not keep (an admin's) are never touched."""
     import os
 
-    from fake_kube import Cluster
-
     from jupyterhub_gpusnap.agent.kept import KeptArchives
+    from tests.helpers.fake_kube import Cluster
 
     folder = tmp_path / "kube" / "checkpoints"
     folder.mkdir(parents=True)

@@ -16,16 +16,16 @@ import os
 import tarfile
 from pathlib import Path
 
-import oci_runtime
 import pytest
-from fake_kube import NODE, Cluster, cgroup2_mount
-from kernel_ws import execute, new_kernel
-from registry import Registry
 from tornado.httpclient import AsyncHTTPClient
 
 from jupyterhub_gpusnap.checkpoint.base import CheckpointInfo
 from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
 from jupyterhub_gpusnap.model import Server
+from tests.helpers import oci_runtime
+from tests.helpers.fake_kube import NODE, Cluster, cgroup2_mount
+from tests.helpers.kernel_ws import execute, new_kernel
+from tests.helpers.registry import Registry
 
 pytestmark = [pytest.mark.k8s, pytest.mark.criu]
 

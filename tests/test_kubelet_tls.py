@@ -17,10 +17,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from fake_kube import NODE, FakeKube, Workload
 
 from jupyterhub_gpusnap.agent import AgentError
 from jupyterhub_gpusnap.agent.kubelet import SA_DIR, KubeAPI, KubeletClient
+from tests.helpers.fake_kube import NODE, FakeKube, Workload
 
 pytestmark = [pytest.mark.k8s]
 

@@ -21,7 +21,15 @@ from types import SimpleNamespace
 
 import kubernetes_validate
 import pytest
-from fake_kube import (
+from jupyterhub import orm
+from traitlets.config import Config
+
+from jupyterhub_gpusnap.kubespawner import (
+    PLACEHOLDER_ANNOTATION,
+    RESTORED_FROM_ANNOTATION,
+    SnapKubeSpawner,
+)
+from tests.helpers.fake_kube import (
     A100,
     H100,
     HUB_TOKEN,
@@ -31,14 +39,6 @@ from fake_kube import (
     fake_cluster,
     free_port,
     serve_notebook_api,
-)
-from jupyterhub import orm
-from traitlets.config import Config
-
-from jupyterhub_gpusnap.kubespawner import (
-    PLACEHOLDER_ANNOTATION,
-    RESTORED_FROM_ANNOTATION,
-    SnapKubeSpawner,
 )
 
 pytestmark = pytest.mark.k8s

@@ -26,20 +26,20 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import SimpleNamespace
 
-import oci_runtime
 import pytest
-from fake_kube import HUB_TOKEN, fake_cluster, validate
-from fault_proxy import Fault, FaultProxy
 from jupyterhub import orm
-from kernel_ws import execute, new_kernel
-from ports import free_port
-from registry import Registry
 from tornado.httpclient import AsyncHTTPClient
 from traitlets.config import Config
 
 from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
 from jupyterhub_gpusnap.kubespawner import PLACEHOLDER_ANNOTATION, SnapKubeSpawner
 from jupyterhub_gpusnap.model import Server
+from tests.helpers import oci_runtime
+from tests.helpers.fake_kube import HUB_TOKEN, fake_cluster, validate
+from tests.helpers.fault_proxy import Fault, FaultProxy
+from tests.helpers.kernel_ws import execute, new_kernel
+from tests.helpers.ports import free_port
+from tests.helpers.registry import Registry
 
 pytestmark = [pytest.mark.k8s, pytest.mark.criu]
 

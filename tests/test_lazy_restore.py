@@ -35,10 +35,7 @@ from jupyterhub_gpusnap.checkpoint.page_sums import sums_name, write_sums
 from jupyterhub_gpusnap.checkpoint.pagemap import PagemapError, eager_ranges, read_pagemaps
 from jupyterhub_gpusnap.model import Server
 from jupyterhub_gpusnap.procs import tree_pids
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from realhub import free_port  # noqa: E402
+from tests.helpers.realhub import free_port
 
 pytestmark = pytest.mark.criu
 

@@ -19,20 +19,12 @@ from __future__ import annotations
 import asyncio
 import random
 import subprocess
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import pytest
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
-
-ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "bench"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
 import scale  # noqa: E402  (bench/scale.py: the stand-in population)
+from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from jupyterhub_gpusnap.checkpoint.base import CheckpointBackend, CheckpointInfo  # noqa: E402
 from jupyterhub_gpusnap.hub import HubClient  # noqa: E402

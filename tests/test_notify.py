@@ -17,11 +17,7 @@ from jupyterhub_gpusnap.notify import (
     format_time,
     redact,
 )
-
-try:  # tests/ as a package or as a plain directory on sys.path
-    from .smtp_server import SmtpServer, free_port
-except ImportError:
-    from smtp_server import SmtpServer, free_port
+from tests.helpers.smtp_server import SmtpServer, free_port
 
 pytestmark = pytest.mark.email
 

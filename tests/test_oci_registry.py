@@ -16,12 +16,12 @@ from pathlib import Path
 
 import psutil
 import pytest
-from fake_kube import Cluster, Workload, cgroup2_mount, tar_bytes
-from registry import Registry, docker_config
 
 from jupyterhub_gpusnap.agent.ship import Shipper
 from jupyterhub_gpusnap.checkpoint import oci
 from jupyterhub_gpusnap.gpu.compat import GpuNeeds
+from tests.helpers.fake_kube import Cluster, Workload, cgroup2_mount, tar_bytes
+from tests.helpers.registry import Registry, docker_config
 
 pytestmark = [pytest.mark.k8s, pytest.mark.criu]
 

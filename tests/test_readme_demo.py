@@ -15,8 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-from realhub import Browser
 from tornado.httpclient import AsyncHTTPClient
+
+from tests.helpers.realhub import Browser
 
 pytestmark = [pytest.mark.e2e, pytest.mark.criu]
 

@@ -15,13 +15,13 @@ import time
 from pathlib import Path
 
 import pytest
-from fault_proxy import Fault, FaultProxy
-from registry import Registry
 from traitlets.config import Config
 
 from jupyterhub_gpusnap.agent.errors import AgentError
 from jupyterhub_gpusnap.agent.ship import Shipper
 from jupyterhub_gpusnap.checkpoint import oci
+from tests.helpers.fault_proxy import Fault, FaultProxy
+from tests.helpers.registry import Registry
 
 pytestmark = pytest.mark.k8s
 

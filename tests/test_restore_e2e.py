@@ -12,12 +12,12 @@ import json
 from pathlib import Path
 
 import pytest
-from realhub import free_port
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest
 from jupyterhub_gpusnap.model import Server
+from tests.helpers.realhub import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.criu]
 

@@ -35,10 +35,7 @@ from jupyterhub_gpusnap.checkpoint.local import LocalBackend, is_alive, is_froze
 from jupyterhub_gpusnap.checkpoint.manifest import MANIFEST, Manifest
 from jupyterhub_gpusnap.model import Server
 from jupyterhub_gpusnap.procs import tree_pids
-
-sys.path.insert(0, str(Path(__file__).parent))
-
-from realhub import free_port  # noqa: E402
+from tests.helpers.realhub import free_port
 
 PLAIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 #: A Python any user can run (the test's own may live under a folder only root can read).

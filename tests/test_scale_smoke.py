@@ -9,17 +9,9 @@ and jupyterhub-idle-culler on the same Hub culls nothing with a huge timeout.
 from __future__ import annotations
 
 import math
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT, ROOT / "bench"):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
 import scale  # noqa: E402  (bench/scale.py)
 from test_cuda_absent import FakeLibcuda  # noqa: E402
 from test_make_room import SharedGpus, U, metric  # noqa: E402

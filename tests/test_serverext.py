@@ -17,8 +17,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from gpusnap_service import GpuSnapService
-from realhub import free_port
 from test_autounpark import SlowRestoreLibcuda, start_cell
 from test_cuda_absent import CHECKPOINTED, RUNNING
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
@@ -26,6 +24,8 @@ from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from jupyterhub_gpusnap.gpu.autounpark import AutoUnpark, kernel_pid
 from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
 from jupyterhub_gpusnap.serverext import service_url_from_env
+from tests.helpers.gpusnap_service import GpuSnapService
+from tests.helpers.realhub import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -10,9 +10,10 @@ import uuid
 from datetime import datetime, timezone
 
 import pytest
-from gpusnap_service import GpuSnapService
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
+
+from tests.helpers.gpusnap_service import GpuSnapService
 
 pytestmark = pytest.mark.e2e
 

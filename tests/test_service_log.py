@@ -9,7 +9,8 @@ import re
 import sys
 
 import pytest
-from gpusnap_service import GpuSnapService
+
+from tests.helpers.gpusnap_service import GpuSnapService
 
 pytestmark = pytest.mark.e2e
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 from jupyter_client import AsyncKernelClient
-from ports import free_port
 
 from jupyterhub_gpusnap.model import Server
 from jupyterhub_gpusnap.signals.jupyter import (
@@ -26,6 +25,7 @@ from jupyterhub_gpusnap.signals.jupyter import (
     ReportError,
     parse_iso8601,
 )
+from tests.helpers.ports import free_port
 
 TOKEN = "test-token-0123456789"
 PREFIX = "/user/alice/"

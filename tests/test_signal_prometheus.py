@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from fake_prometheus import FakePrometheus
 
 from jupyterhub_gpusnap.model import Server
 from jupyterhub_gpusnap.signals.prometheus import PrometheusSignal, escape, pod_name
+from tests.helpers.fake_prometheus import FakePrometheus
 
 NOW = 1_800_000_000.0
 

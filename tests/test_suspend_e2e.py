@@ -11,9 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gpusnap_service import GpuSnapService
-from smtp_server import SmtpServer
 from test_restore_e2e import snap_config
+
+from tests.helpers.gpusnap_service import GpuSnapService
+from tests.helpers.smtp_server import SmtpServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.criu, pytest.mark.email]
 

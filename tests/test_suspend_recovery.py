@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from smtp_server import SmtpServer
 
 from jupyterhub_gpusnap.checkpoint.base import CheckpointBackend, CheckpointInfo
 from jupyterhub_gpusnap.hub import HubClient
@@ -25,6 +24,7 @@ from jupyterhub_gpusnap.notify import Mailer, ServiceNotifier
 from jupyterhub_gpusnap.policy import Policy, Rule, ServerStatus
 from jupyterhub_gpusnap.store import Store
 from jupyterhub_gpusnap.watcher import Watcher
+from tests.helpers.smtp_server import SmtpServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.email]
 

@@ -14,10 +14,11 @@ import signal
 import sys
 from pathlib import Path
 
-from realhub import free_port
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from jupyterhub_gpusnap.app import CUSTOM_SCOPES, REQUIRED_SCOPES
+
+from .ports import free_port
 
 
 class GpuSnapService:

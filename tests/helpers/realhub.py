@@ -35,9 +35,10 @@ from pathlib import Path
 from urllib.parse import quote
 
 import psutil
-from ports import free_port
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.websocket import websocket_connect
+
+from .ports import free_port
 
 ADMIN_SCOPES = [
     "admin:users",

@@ -19,10 +19,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from ports import free_port
 from tornado import web
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.httpserver import HTTPServer
+
+from .ports import free_port
 
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade"}
 

@@ -26,10 +26,11 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from cryptography.x509.oid import NameOID
-from ports import free_port
 from tornado import web
 from tornado.httpclient import AsyncHTTPClient
 from tornado.httpserver import HTTPServer
+
+from .ports import free_port
 
 REGISTRY_BIN = "/usr/bin/docker-registry"
 USER = "pusher"

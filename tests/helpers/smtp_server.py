@@ -24,7 +24,8 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from ports import free_port
+
+from .ports import free_port
 
 
 def make_self_signed(directory: Path) -> tuple[Path, Path]:

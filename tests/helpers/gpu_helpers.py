@@ -2,8 +2,8 @@
 
 Run as a script it is the process (needs PyTorch and a GPU)::
 
-    python tests/gpu_helpers.py hold --gib 2      # random data, then waits for commands
-    python tests/gpu_helpers.py fill              # takes (almost) all free GPU memory
+    python tests/helpers/gpu_helpers.py hold --gib 2      # random data, then waits for commands
+    python tests/helpers/gpu_helpers.py fill              # takes (almost) all free GPU memory
 
 Commands, one a line: ``checksum`` (sha256 of the data), ``busy`` (matmul loop in a
 thread), ``idle`` (stop it), ``touch`` (one GPU operation, proves the GPU is usable),

@@ -42,13 +42,14 @@ from pathlib import Path
 import jsonschema
 import kubernetes_validate
 import referencing
-from oci_runtime import RUNC_ROOT
-from ports import free_port
 from tornado import web
 from tornado.httpserver import HTTPServer
 from tornado.iostream import StreamClosedError
 
 from jupyterhub_gpusnap.agent.pods import container_id
+
+from .oci_runtime import RUNC_ROOT
+from .ports import free_port
 
 CRIU = shutil.which("criu") or "/usr/local/sbin/criu"
 KUBELET_DIR = "/var/lib/kubelet/checkpoints"
@@ -165,7 +166,7 @@ class Workload:
         self.container = None
 
     def start(self) -> Workload:
-        import oci_runtime
+        from . import oci_runtime
 
         why = oci_runtime.missing()
         assert not why, why
@@ -185,7 +186,7 @@ class Workload:
     def placeholder(self):
         """A placeholder container for this workload's pod: same image and volume,
         ``sleep infinity``, a pod sandbox of its own (stopped with :meth:`stop`)."""
-        import oci_runtime
+        from . import oci_runtime
 
         box = oci_runtime.Container(
             self.folder / "pods", oci_runtime.PodSandbox.new(), ["sleep", "infinity"], home=self.volume
