@@ -138,7 +138,7 @@ async def ours(gib: float, root: Path, backend: LocalBackend, gpus: int = 1) -> 
     h.reap()
     cold = drop_caches()
     t = time.monotonic()
-    pid, _, _ = await backend.restore(info)
+    pid = (await backend.restore(info)).pid
     restore_s = time.monotonic() - t
     after = h.checksum(pid)
     kill(pid)

@@ -157,7 +157,7 @@ def drop(backend: LocalBackend, folder: Path, m: Manifest) -> None:
 
 async def restore_eager(backend: LocalBackend, info, port: int) -> dict:
     t = time.monotonic()
-    pid, _, _ = await backend.restore(info)
+    pid = (await backend.restore(info)).pid
     all_in = time.monotonic() - t
     await answer(port)
     answered = time.monotonic() - t

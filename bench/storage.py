@@ -130,7 +130,7 @@ async def restore_once(rec: dict) -> None:
     if not WARM:
         await asyncio.to_thread(drop_image, backend, info.id)
     t = time.monotonic()
-    pid, _, _ = await backend.restore(info)
+    pid = (await backend.restore(info)).pid
     rec["times"].append(time.monotonic() - t)
     h.pid = pid
     rec["phases"].append(Manifest.load(backend.folder(info.id)).extra.get("restore_phases") or {})

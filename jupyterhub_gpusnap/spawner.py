@@ -336,7 +336,8 @@ class SnapSpawnerMixin(LocalProcessSpawner):
         if info.gpu_bytes:
             self._emit(f"restoring GPU memory ({human_bytes(info.gpu_bytes)})…", 40)
         restore = self.backend.restore(info, timeout=self.restore_timeout)
-        pid, ip, port = await asyncio.wait_for(restore, self.restore_timeout + 5)
+        restored = await asyncio.wait_for(restore, self.restore_timeout + 5)
+        pid, ip, port = restored.pid, restored.ip, restored.port
         self.proc = None
         self.pid = pid
         ip = ip if ip not in ("", "0.0.0.0", "::") else "127.0.0.1"

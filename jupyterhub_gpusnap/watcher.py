@@ -573,7 +573,7 @@ class Watcher(LoggingConfigurable):
 
         action = "unpark" if unpark else "park"
         # a backend whose servers run elsewhere (Kubernetes: the node agent) parks them itself
-        remote = getattr(self.backend, "park", None) if self.backend is not None else None
+        remote = self.backend.park if self.backend is not None and self.backend.supports_park else None
         t0 = time.perf_counter()
         try:
             if remote is not None:
@@ -634,7 +634,11 @@ class Watcher(LoggingConfigurable):
         with the reason, where GPU memory cannot be freed (no NVML, or no CUDA
         checkpoint API here).
         """
-        remote = getattr(self.backend, "gpu_memory", None) if self.backend is not None else None
+        remote = (
+            self.backend.gpu_memory
+            if self.backend is not None and self.backend.supports_gpu_memory
+            else None
+        )
         if remote is not None:
             reading = await remote(servers)
         elif not self.cuda.available():
@@ -741,7 +745,7 @@ class Watcher(LoggingConfigurable):
         async with self._room_lock:
             candidates = self._room_candidates(self.clock(), self.min_free_gpu_memory_idle)
             servers = [c[2] for c in candidates]
-            local = getattr(self.backend, "gpu_memory", None) is None
+            local = self.backend is None or not self.backend.supports_gpu_memory
             # on this machine, who holds what (a /proc walk per server) only once a GPU is short
             reading = await self._gpu_view([] if local else servers)
             if local and servers and any(v.free_bytes < target for v in reading.gpus):

@@ -73,7 +73,7 @@ async def suspend_two(backend, process_tree):
 
 async def restore_both_intact(backend, trees, infos, before):
     for tree, info, was in zip(trees, infos, before, strict=True):
-        tree.pid, _, _ = await backend.restore(info)
+        tree.pid = (await backend.restore(info)).pid
         now = await tree.ask("get")
         assert now["weights"] == was["weights"] and now["secret"] == was["secret"]
         assert now["count"] == was["count"]
@@ -159,7 +159,7 @@ async def test_damaged_chunk_without_a_replica_is_found_and_reported(
         await backend.restore(alice)
     # bob's snapshot does not list it: verified, and restores intact
     assert (await backend.get(infos[1].id)).status == "verified"
-    trees[1].pid, _, _ = await backend.restore(infos[1])
+    trees[1].pid = (await backend.restore(infos[1])).pid
     assert (await trees[1].ask("get"))["weights"] == before[1]["weights"]
     # a second full scrub marks nothing twice
     assert (await backend.scrub(full=True))["checkpoints_damaged"] == []

@@ -174,7 +174,7 @@ async def test_disk_full_during_a_dump(small_disk, server, tmp_path):
         info = await backend.checkpoint(alice)
         assert info.status == "verified"
         assert not is_alive(server.pid)
-        pid, _, _ = await backend.restore(info)
+        pid = (await backend.restore(info)).pid
         server.pid = pid
         back = await server.ask("get")
         assert back["secret"] == before["secret"] and back["count"] == after["count"]
@@ -227,7 +227,7 @@ async def test_disk_full_when_the_log_cannot_say_so(small_disk, server, tmp_path
     backend.dump_extra_args = []
     info = await backend.checkpoint(alice)
     assert info.status == "verified"
-    pid, _, _ = await backend.restore(info)
+    pid = (await backend.restore(info)).pid
     server.pid = pid
     back = await server.ask("get")
     assert back["secret"] == before["secret"] and back["count"] == after["count"]
@@ -297,12 +297,12 @@ async def test_two_suspensions_racing_for_the_disk(sized_disk, process_tree):
     # the suspended one restores with its memory
     info = results[won]
     assert info.status == "verified" and not is_alive(servers[won].pid)
-    servers[won].pid, _, _ = await backend.restore(info)
+    servers[won].pid = (await backend.restore(info)).pid
     back = await servers[won].ask("get")
     assert back["secret"] == before[won]["secret"] and back["count"] == before[won]["count"]
     # the reservation ended with the dump: once the disk has room, the other one suspends
     await backend.delete(info.id)
     other = await backend.checkpoint(targets[lost])
     assert other.status == "verified"
-    servers[lost].pid, _, _ = await backend.restore(other)
+    servers[lost].pid = (await backend.restore(other)).pid
     assert (await servers[lost].ask("get"))["count"] == after["count"]

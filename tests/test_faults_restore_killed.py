@@ -70,7 +70,8 @@ async def test_a_restore_whose_caller_died_is_adopted_not_run_twice(tmp_path, pr
         await asyncio.sleep(0.05)
     assert Manifest.load(folder).status == "verified"  # nobody recorded the restore
 
-    pid, ip, port = await backend.restore(info)
+    restored = await backend.restore(info)
+    pid, port = restored.pid, restored.port
     tree.pid = pid  # teardown kills it
     assert pid == orphan and port == tree.port  # adopted, not restored a second time
     m = Manifest.load(folder)

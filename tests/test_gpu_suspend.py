@@ -35,7 +35,7 @@ async def test_gpu_process_suspended_and_restored_bit_identical(tmp_path, storag
     assert info.gpu_model and info.gpu_count == 1
     # the process's GPU memory is gone from the GPU (the image holds it now)
     assert info.extra["time_to_gpu_free_s"] > 0
-    pid, _, _ = await backend.restore(info)
+    pid = (await backend.restore(info)).pid
     try:
         assert holder.checksum(pid) == before
         restored = await backend.get(info.id)

@@ -20,6 +20,7 @@ from tornado.httpclient import AsyncHTTPClient
 
 from jupyterhub_gpusnap.agent.pods import CpuMeter, container_id, parse_cgroup, parse_cpu_stat
 from jupyterhub_gpusnap.checkpoint import CheckpointError, CheckpointRefused
+from jupyterhub_gpusnap.checkpoint.base import RestoreTarget
 from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
 from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
 from jupyterhub_gpusnap.gpu.nvml import Nvml
@@ -371,7 +372,7 @@ async def test_backend_checkpoint_ships_verified_image_and_records_it(
     placeholder = work.placeholder()
     cluster.add_user_pod("alice", placeholder_for=info.id, runtime=placeholder)
     try:
-        pid = await backend.restore(info, "jhub", "jupyter-alice")
+        pid = (await backend.restore(info, into=RestoreTarget("jhub", "jupyter-alice"))).pid
         assert pid in placeholder.cgroup_pids()
         assert os.readlink(f"/proc/{pid}/ns/net") == os.readlink(f"/proc/{placeholder.pid}/ns/net")
         seen = len(work.lines())

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from tornado.httpclient import AsyncHTTPClient
 
-from jupyterhub_gpusnap.checkpoint.base import CheckpointInfo
+from jupyterhub_gpusnap.checkpoint.base import CheckpointInfo, RestoreTarget
 from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
 from jupyterhub_gpusnap.model import Server
 from tests.helpers import oci_runtime
@@ -205,7 +205,7 @@ async def test_agent_ships_the_runtimes_checkpoint_and_restores_it_into_a_placeh
         assert "AgentApp.runtime_state_dirs" in body["fix"]
         cluster.agent.runtime_state_dirs = [str(oci_runtime.RUNC_ROOT)]
 
-        pid = await backend.restore(info, "jhub", "jupyter-alice")
+        pid = (await backend.restore(info, into=RestoreTarget("jhub", "jupyter-alice"))).pid
         criu_parents = list(cluster.agent._restored)
 
         # in the placeholder's pod: its network (pod IP), IPC and UTS namespaces, its cgroup

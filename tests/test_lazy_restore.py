@@ -215,7 +215,7 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
     backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "files")
     lazyb = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0,
                          restore_mode="lazy")  # fmt: skip
-    pid, _, _ = await lazyb.restore(await lazyb.get(lazyb._id(folder)))
+    pid = (await lazyb.restore(await lazyb.get(lazyb._id(folder)))).pid
     tree.pid = pid
     m = Manifest.load(folder)
     assert m.status == "restored" and "mode" not in m.extra["restore_phases"]  # eager
@@ -227,7 +227,7 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
         assert await task
     folder = lazyb.folder(info.id)
     assert all((folder / sums_name(n)).is_file() for n in m.files if is_pages_file(n))
-    pid, _, _ = await lazyb.restore(await lazyb.get(info.id))
+    pid = (await lazyb.restore(await lazyb.get(info.id))).pid
     tree.pid = pid
     phases = Manifest.load(folder).extra["restore_phases"]
     assert phases["mode"] == "lazy" and phases["lazy_bytes"] >= 190 << 20

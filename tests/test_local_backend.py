@@ -50,7 +50,8 @@ def action_script(tmp_path, body: str) -> str:
 
 
 async def restore_and_track(backend, tree, info):
-    pid, ip, port = await backend.restore(info)
+    restored = await backend.restore(info)
+    pid, ip, port = restored.pid, restored.ip, restored.port
     tree.pid = pid  # teardown kills the restored tree
     return pid, ip, port
 

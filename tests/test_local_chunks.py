@@ -72,7 +72,7 @@ async def test_encrypted_chunks_round_trip_share_and_sweep(tmp_path, process_tre
             assert TOKEN.encode() not in data and secret not in data
     assert await backend.resume_token(info.id) == TOKEN
 
-    tree.pid, _, _ = await backend.restore(info)
+    tree.pid = (await backend.restore(info)).pid
     after = await tree.ask("inc")
     assert after["secret"] == before["secret"] and after["count"] == before["count"] + 1
     assert not list(folder.glob("*.img")), "unpacked files stay after the restore"
@@ -95,7 +95,7 @@ async def test_encrypted_chunks_round_trip_share_and_sweep(tmp_path, process_tre
     left = stored()
     assert left < before_sweep  # the first checkpoint's own chunks are gone
     assert {c for refs in m2.chunks.values() for c, _ in refs} == left
-    tree.pid, _, _ = await backend.restore(info2)
+    tree.pid = (await backend.restore(info2)).pid
     assert (await tree.ask("get"))["count"] == after["count"]
 
     # Recovery by hand: the remaining checkpoint written out as CRIU files.
@@ -148,7 +148,7 @@ async def test_incompressible_memory_is_spliced_checked_and_restored_intact(tmp_
     with pytest.raises(OSError):
         await tree.ask("get", timeout=3)
     blob.write_bytes(good)
-    tree.pid, _, _ = await backend.restore(info)
+    tree.pid = (await backend.restore(info)).pid
     after = await tree.ask("get")
     assert after["ballast"] == before["ballast"] and after["count"] == before["count"]
 
@@ -185,7 +185,7 @@ async def test_a_damaged_chunk_stops_the_restore(tmp_path, process_tree, staging
     assert not list(stage.iterdir()), "unpacked files or the streamer's folder left behind"
     # Mended (the chunk written again from the same data), it restores from either place.
     blob.write_bytes(bytes(data[:-100]) + bytes([data[-100] ^ 0xFF]) + bytes(data[-99:]))
-    tree.pid, _, _ = await backend.restore(info)
+    tree.pid = (await backend.restore(info)).pid
     assert (await tree.ask("get"))["count"] == 1
     assert list(backend.folder(info.id).glob("restore-*.log")), "CRIU's restore log is kept"
     assert not list(stage.iterdir()) and not list(backend.folder(info.id).glob("*.img"))

@@ -545,7 +545,8 @@ async def test_checkpoint_and_restore_a_sandboxed_server(sandboxed, backend, tmp
     assert await spawner.poll() == 0
     assert spawner.snapshot["id"] == info.id and spawner.will_resume
 
-    pid, ip, rport = await backend.restore(info)
+    restored = await backend.restore(info)
+    pid, ip, rport = restored.pid, restored.ip, restored.port
     sb.adopt(pid)
     assert (ip, rport) == ("127.0.0.1", port)
     after = await aask(port, "get")
@@ -591,7 +592,7 @@ async def test_host_mounts_stay_external_to_the_checkpoint(sandboxed, backend, h
     folder = backend.folder(info.id)
     assert not list(folder.glob("tmpfs-*")), "a host tmpfs was copied into the image"
     (host_tmpfs / "after").write_text("y")  # changed on the host while suspended
-    pid, _, _ = await backend.restore(info)
+    pid = (await backend.restore(info)).pid
     sb.adopt(pid)
     assert (await aask(port))["folder"] == ["after", "before"]
 
@@ -661,7 +662,8 @@ async def test_a_users_server_is_suspended_and_restored_as_the_user(sandboxed, b
     before = await aask(port, "inc")
     info = await backend.checkpoint(Server(user="alice", name="", state={"pid": sb.init}))
     sb.wait()
-    pid, _, rport = await backend.restore(info)
+    restored = await backend.restore(info)
+    pid, rport = restored.pid, restored.port
     sb.adopt(pid)
     assert rport == port
     after = await aask(port, "inc")
@@ -749,7 +751,8 @@ async def test_a_restore_waits_for_the_port_and_refuses_naming_its_holder(
 
     holder.kill()
     holder.wait()
-    pid, _, rport = await backend.restore(info)
+    restored = await backend.restore(info)
+    pid, rport = restored.pid, restored.port
     sb.adopt(pid)
     after = await aask(port, "get")
     assert rport == port and after["secret"] == before["secret"] and after["count"] == 1
@@ -779,7 +782,8 @@ async def test_a_restore_waits_for_the_old_tree(sandboxed, backend, others):
 
     old.kill()
     old.wait()
-    pid, _, rport = await backend.restore(info)
+    restored = await backend.restore(info)
+    pid, rport = restored.pid, restored.port
     sb.adopt(pid)
     after = await aask(port, "get")
     assert rport == port and after["secret"] == before["secret"]

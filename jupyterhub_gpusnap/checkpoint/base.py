@@ -1,27 +1,39 @@
-"""The contract every checkpoint backend follows (the shape of dask-gateway's backends)."""
+"""The contract every checkpoint backend follows (the shape of dask-gateway's backends).
+
+:class:`CheckpointBackend` is the one interface the service, the spawners and the agent
+use: every method they call is declared here, with what it takes and returns, and a
+default where a backend may have nothing to do. Optional abilities are declared as
+capabilities (:attr:`CheckpointBackend.supports_park`,
+:attr:`CheckpointBackend.supports_gpu_memory`), never found by probing for attributes.
+
+Subclasses should implement:
+
+- :meth:`~CheckpointBackend.checkpoint` (and :meth:`~CheckpointBackend.check`)
+- :meth:`~CheckpointBackend.restore`
+- :meth:`~CheckpointBackend.latest`, :meth:`~CheckpointBackend.list`,
+  :meth:`~CheckpointBackend.delete`
+
+and may override the rest (records kept after the fact, crash recovery, retention,
+scrub, the capabilities and what a local spawner needs of the host).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from traitlets.config import LoggingConfigurable
 
+from ..errors import CheckpointError, CheckpointRefused  # noqa: F401  (the contract's errors)
 from ..model import Server
 
-
-class CheckpointError(Exception):
-    """A checkpoint or restore failed. The message says what happened and what to do."""
-
-
-class CheckpointRefused(CheckpointError):
-    """The backend will not try (CRIU missing, disk short, GPU busy, …). Nothing was changed.
-
-    ``retry`` is True when the reason is passing (a busy GPU): try again on a later tick.
-    """
-
-    def __init__(self, message: str, retry: bool = False):
-        super().__init__(message)
-        self.retry = retry
+if TYPE_CHECKING:
+    from ..gpu.park import ParkResult
+    from ..gpu.view import GpuReading
 
 
 @dataclass
@@ -56,28 +68,175 @@ class CheckpointInfo:
         return d
 
 
+@dataclass
+class Restored:
+    """A server brought back from a checkpoint: what :meth:`CheckpointBackend.restore`
+    returns, whatever the backend.
+
+    ``pid`` is the root of the restored process tree (local: a pid of this host;
+    Kubernetes: a pid on ``node``); ``ip`` and ``port`` where the server listens when the
+    backend knows (local), else ``""`` and ``0`` (the spawner knows its pod's address).
+    ``detail`` holds what a backend adds (its agent's answer, the restore's phases).
+    """
+
+    pid: int
+    ip: str = ""
+    port: int = 0
+    node: str = ""
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class RestoreTarget:
+    """Where a restore goes when the caller chose the place (Kubernetes: the placeholder
+    pod the node agent restores into). Backends that choose themselves (local: the
+    checkpoint's own host) take ``None``.
+
+    ``container`` empty: the backend's default container.
+    """
+
+    namespace: str
+    pod: str
+    container: str = ""
+
+
 class CheckpointBackend(LoggingConfigurable):
     """Saves a running server to a verified checkpoint, and restores it.
 
     A backend never stops a server on its own: :meth:`checkpoint` either returns a
     *verified* checkpoint, after which the server's processes are gone (the caller
     then stops the server through the Hub), or raises and leaves the server running.
+
+    The app picks one with ``GpuSnap.backend_class``; the spawners with their own
+    ``checkpoint_backend_class``. Everything they call is declared on this class.
     """
 
-    async def setup(self) -> None:
-        """Check prerequisites once at start-up (log what is missing)."""
+    #: Capability: :meth:`park` moves a server's GPU memory to host memory and back
+    #: where the server runs (Kubernetes: through the node agent). False: the caller parks
+    #: servers of this host itself (the CUDA checkpoint API, ``gpu/park.py``).
+    supports_park: bool = False
 
+    #: Capability: :meth:`gpu_memory` reads the free memory of the GPUs the servers run
+    #: on (Kubernetes: from every node's agent). False: the caller reads this host's GPUs.
+    supports_gpu_memory: bool = False
+
+    # ------------------------------------------------------------------ life cycle
+    async def setup(self) -> None:
+        """Check prerequisites once at start-up (log what is missing) and resolve what a
+        crash left behind (:meth:`recover`)."""
+
+    async def recover(self) -> list[str]:
+        """Resolve suspensions a crash of the service left under way: each one is either
+        completed (its image verified: the frozen server is ended) or undone (the server
+        resumed, its GPU memory given back, the checkpoint marked ``failed``).
+
+        Returns
+        -------
+        list of str
+            The ids of the checkpoints resolved. Backends with nothing to resolve (their
+            suspensions run in an agent that recovers itself) return ``[]``.
+        """
+        return []
+
+    # ------------------------------------------------------------------ checkpoint
     async def check(self, server: Server) -> None:
-        """Raise :class:`CheckpointRefused` if ``server`` cannot be checkpointed now."""
+        """Raise :class:`CheckpointRefused` if ``server`` cannot be checkpointed now.
+
+        :meth:`checkpoint` runs the same checks itself, before it changes anything:
+        call this only to ask, not before every :meth:`checkpoint`.
+        """
 
     async def checkpoint(self, server: Server) -> CheckpointInfo:
         """Checkpoint ``server`` (GPU memory, then the process tree), verify it, and return it.
 
-        On success the server's processes no longer run and the GPU is free.
-        On any failure, raise :class:`CheckpointError`; the server keeps running.
+        Parameters
+        ----------
+        server : Server
+            The running server (its pid for local servers, its pod for Kubernetes).
+
+        Returns
+        -------
+        CheckpointInfo
+            A ``verified`` checkpoint. On success the server's processes no longer run
+            and the GPU is free.
+
+        Raises
+        ------
+        CheckpointRefused
+            Nothing was changed (checked first: CRIU, the process, the disk, a busy GPU).
+        CheckpointError
+            Any other failure; the server keeps running.
         """
         raise NotImplementedError
 
+    async def writing(self, user: str, server_name: str) -> CheckpointInfo | None:
+        """The checkpoint of ``user/server_name`` being written right now, if any (a stop
+        or start of that server waits for it: :meth:`wait_settled`)."""
+        return None
+
+    async def wait_settled(
+        self, user: str, server_name: str, timeout: float, interval: float = 0.25
+    ) -> CheckpointInfo | None:
+        """Wait (at most ``timeout`` s) until no checkpoint of this server is being written.
+
+        Returns
+        -------
+        CheckpointInfo or None
+            The checkpoint still being written when time ran out, else None.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            pending = await self.writing(user, server_name)
+            if pending is None or time.monotonic() > deadline:
+                return pending
+            await asyncio.sleep(interval)
+
+    # ------------------------------------------------------------------ restore
+    async def restore(
+        self, info: CheckpointInfo, timeout: float = 600.0, into: RestoreTarget | None = None
+    ) -> Restored:
+        """Restore a verified checkpoint and return the running server.
+
+        Parameters
+        ----------
+        info : CheckpointInfo
+            A ``verified`` checkpoint of this backend.
+        timeout : float
+            Seconds the restore may take.
+        into : RestoreTarget, optional
+            Where to restore, for backends where the caller chooses (Kubernetes: the
+            placeholder pod). None where the backend chooses itself.
+
+        Returns
+        -------
+        Restored
+            The restored tree's root pid and, when the backend knows it, its address.
+
+        Raises
+        ------
+        CheckpointRefused
+            Not now, nothing changed (its port still taken, its key missing): the
+            checkpoint stays ``verified`` and the next start tries again.
+        CheckpointError
+            The restore failed and nothing of it is left running; the caller marks the
+            checkpoint ``failed`` (:meth:`mark`) and starts afresh.
+        """
+        raise NotImplementedError
+
+    async def resume_token(self, checkpoint_id: str) -> str:
+        """The Hub API token the checkpointed server holds, kept with the checkpoint
+        (``""``: none kept; the spawner then does not restore). Raises
+        :class:`CheckpointRefused` when it is sealed with a key that is missing now."""
+        return ""
+
+    async def kill_tree(self, pids: list[int]) -> None:
+        """End a restored process tree the caller will not hand out (it did not answer).
+
+        Backends whose servers run elsewhere (their pods are deleted by the spawner)
+        have nothing to do.
+        """
+
+    # ------------------------------------------------------------------ records
     async def latest(self, user: str, server_name: str) -> CheckpointInfo | None:
         """The newest verified checkpoint of a server, or None."""
         raise NotImplementedError
@@ -93,9 +252,25 @@ class CheckpointBackend(LoggingConfigurable):
         """All checkpoints (of one user, if given), newest first."""
         raise NotImplementedError
 
+    async def mark(self, checkpoint_id: str, status: str, error: str = "") -> None:
+        """Record a checkpoint's new status (``failed``, with ``error``, after a failed
+        restore; ``restored``). Backends that keep no status after the fact do nothing."""
+
     async def delete(self, checkpoint_id: str) -> None:
         """Delete one checkpoint."""
         raise NotImplementedError
+
+    def location(self, checkpoint_id: str) -> str:
+        """Where an admin finds a checkpoint's files, for messages (``""``: not a place of
+        this host)."""
+        return ""
+
+    # ------------------------------------------------------------------ retention
+    @property
+    def retention_days(self) -> float | None:
+        """Days a snapshot whose restore failed is kept after the failure: the number
+        emails quote ("kept for N days"). None: this backend deletes nothing by age."""
+        return None
 
     async def apply_retention(self) -> list[str]:
         """Delete checkpoints past retention; return their ids. Never the one a restore needs."""
@@ -110,3 +285,41 @@ class CheckpointBackend(LoggingConfigurable):
         Backends whose storage checks itself (a registry, a PVC) keep this no-op.
         """
         return {}
+
+    # ------------------------------------------------------------------ capabilities
+    async def park(self, server: Server, unpark: bool = False) -> ParkResult:
+        """Park (or unpark) ``server``'s GPU memory where it runs; only when
+        :attr:`supports_park`.
+
+        Raises
+        ------
+        CheckpointRefused
+            Declined, nothing changed (GPU busy, host memory short); try again later.
+        CheckpointError
+            Any other failure.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not park (supports_park is False)")
+
+    async def gpu_memory(self, servers: list[Server]) -> GpuReading:
+        """Free memory of every GPU the servers run on, and the bytes each of ``servers``
+        holds on each; only when :attr:`supports_gpu_memory`. GPUs that cannot be read are
+        named in the reading's ``missing``, never raised."""
+        raise NotImplementedError(
+            f"{type(self).__name__} reads no GPU memory (supports_gpu_memory is False)"
+        )
+
+    # ------------------------------------------------------------------ this host
+    # What a spawner that runs servers on this host asks of the backend.
+    def reserved_ports(self) -> set[int]:
+        """Ports held for suspended servers (a restore needs its old port free): a fresh
+        server must not take one."""
+        return set()
+
+    @property
+    def log_root(self) -> str:
+        """The folder servers' logs go under (``server_log_template``'s ``{checkpoint_dir}``)."""
+        return "/var/log"
+
+    def make_private_dirs(self, path: Path | str) -> None:
+        """Create a folder for a server's own files (its log), missing parts 0700."""
+        os.makedirs(path, mode=0o700, exist_ok=True)

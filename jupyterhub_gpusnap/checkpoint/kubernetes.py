@@ -41,7 +41,14 @@ from ..gpu.view import GpuReading, from_agent
 from ..model import Server
 from ..retry import Backoff
 from . import oci
-from .base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
+from .base import (
+    CheckpointBackend,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointRefused,
+    Restored,
+    RestoreTarget,
+)
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
 SERVER_LABEL = "gpusnap.jupyter.org/server"
@@ -284,6 +291,10 @@ def agent_failure_is_transient(method: str, code: int, agent_said: bool) -> bool
 class KubernetesBackend(CheckpointBackend):
     """Checkpoints Kubernetes servers through the node agents (kubelet checkpoint + OCI/PVC)."""
 
+    # the servers run on other nodes: their agents park and read GPU memory there
+    supports_park = True
+    supports_gpu_memory = True
+
     target = Enum(
         ["registry", "pvc"],
         "registry",
@@ -505,22 +516,30 @@ class KubernetesBackend(CheckpointBackend):
                 reading.gpus += from_agent(node, answer, server_of_pod)
         return reading
 
-    async def restore(self, info: CheckpointInfo, namespace: str, pod: str) -> int:
-        """Ask the agent on ``pod``'s node to restore ``info`` into it; return the restored PID."""
-        node = await self.locator.node_of(namespace, pod)
+    async def restore(
+        self, info: CheckpointInfo, timeout: float = 600.0, into: RestoreTarget | None = None
+    ) -> Restored:
+        """Ask the agent on the node of ``into`` (the placeholder pod) to restore ``info``
+        into it; the restored tree's root pid on that node, and the agent's answer."""
+        if into is None:
+            raise CheckpointError(
+                f"{info.key}: a Kubernetes restore needs the pod to restore into (into=)"
+            )
+        node = await self.locator.node_of(into.namespace, into.pod)
         base = await self.locator.agent_url(node)
         result = await self.locator.call(
             base,
             "POST",
             "/v1/restore",
             {
-                "namespace": namespace,
-                "pod": pod,
-                "container": self.locator.container,
+                "namespace": into.namespace,
+                "pod": into.pod,
+                "container": into.container or self.locator.container,
                 "image": info.id,
             },
+            timeout=timeout,
         )
-        return int(result["pid"])
+        return Restored(pid=int(result["pid"]), node=node, detail=result)
 
     # -- records ---------------------------------------------------------------------------
 

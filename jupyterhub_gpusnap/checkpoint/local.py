@@ -61,7 +61,14 @@ from ..model import Server, server_key
 from ..procs import boot_clock, started_since, tree_pids
 from . import criu, lazy
 from . import scrub as chunk_scrub
-from .base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
+from .base import (
+    CheckpointBackend,
+    CheckpointError,
+    CheckpointInfo,
+    CheckpointRefused,
+    Restored,
+    RestoreTarget,
+)
 from .chunks import PAGE, STORE, ChunkStore, Follower
 from .keys import Key, KeyFileError, load_keys
 from .manifest import (
@@ -496,6 +503,15 @@ class LocalBackend(CheckpointBackend):
 
     def _id(self, folder: Path) -> str:
         return "/".join(folder.relative_to(self.root).parts)
+
+    def location(self, checkpoint_id: str) -> str:
+        """The folder of a checkpoint (raises :class:`CheckpointError` for a malformed id)."""
+        return str(self.folder(checkpoint_id))
+
+    @property
+    def log_root(self) -> str:
+        """Servers' logs go under checkpoint_dir (``server_log_template``)."""
+        return self.checkpoint_dir
 
     @property
     def pool(self) -> ThreadPoolExecutor:
@@ -1376,8 +1392,11 @@ class LocalBackend(CheckpointBackend):
         return {m.port for f, m in found if m.port and f in protected}
 
     # ---------------------------------------------------------------- restore
-    async def restore(self, info: CheckpointInfo, timeout: float = 600) -> tuple[int, str, int]:
-        """Restore a verified checkpoint; return (pid, ip, port) of the running server.
+    async def restore(
+        self, info: CheckpointInfo, timeout: float = 600.0, into: RestoreTarget | None = None
+    ) -> Restored:
+        """Restore a verified checkpoint on this host (``into`` is not used: a local
+        checkpoint comes back where it was taken); the running server's pid, ip and port.
 
         Checks sizes and the small files' checksums first, then runs CRIU while the
         ``pages-*.img`` checksums are computed (see the module docstring). On any failure
@@ -1389,6 +1408,10 @@ class LocalBackend(CheckpointBackend):
         checked as it arrives, :meth:`_restore_lazily`); a damaged page found after that
         kills the tree and marks the checkpoint failed (docs/lazy-restore.md).
         """
+        pid, ip, port = await self._restore(info, timeout)
+        return Restored(pid=pid, ip=ip, port=port)
+
+    async def _restore(self, info: CheckpointInfo, timeout: float) -> tuple[int, str, int]:
         restore_started = time.time()
         folder = Path(info.location) if info.location else self.folder(info.id)
         m = Manifest.load(folder)
