@@ -9,6 +9,7 @@
   when it runs a cell.
 
 This is a bottom floor: it imports only the standard library, third-party packages and the
-other bottom modules (``model``, ``procs``), never the checkpoint backends, signals, watcher,
-spawners or the agent; they import it.
+modules below it that import nothing of the project (``errors``, ``model``, ``procs``), never
+the checkpoint backends, signals, watcher, spawners, handlers or the agent; they import it.
+``tests/test_gpu_layer.py`` checks this.
 """

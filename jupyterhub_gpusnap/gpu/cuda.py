@@ -23,7 +23,7 @@ from traitlets import Any as AnyTrait
 from traitlets import Integer, Unicode
 from traitlets.config import LoggingConfigurable
 
-from ..checkpoint.base import CheckpointError, CheckpointRefused
+from ..errors import CheckpointError, CheckpointRefused
 from .nvml import Nvml
 
 CUDA_SUCCESS = 0

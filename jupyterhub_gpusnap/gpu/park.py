@@ -20,7 +20,7 @@ import psutil
 from traitlets import Integer
 from traitlets.config import LoggingConfigurable
 
-from ..checkpoint.base import CheckpointRefused
+from ..errors import CheckpointRefused
 from .cuda import CudaCheckpoint
 
 GiB = 1024**3
