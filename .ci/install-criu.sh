@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Build and install CRIU 4.2.1 from Debian's source tarball into /usr/local/sbin/criu,
-# with the patches in .ci/criu-patches (one: `criu dump` reads another user's resource
-# limits from /proc/<pid>/limits when prlimit needs the CAP_SYS_RESOURCE that root in a
-# container lacks; without it a server running as a Unix user cannot be checkpointed there).
+# with the patches in .ci/criu-patches: `criu dump` reads another user's resource limits
+# from /proc/<pid>/limits when prlimit needs the CAP_SYS_RESOURCE that root in a container
+# lacks (without it a server running as a Unix user cannot be checkpointed there), and
+# `criu lazy-pages` asks for more than one page per fault and for larger background
+# transfers (a lazy restore's sequential readers, docs/lazy-restore.md).
 # Debian bookworm's packaged criu (3.17) fails `criu check` on kernels >= 6.13 and
 # 4.1 cannot dump TCP sockets there; 4.2 works. Idempotent: does nothing when a
 # criu >= 4.2 with the patches is already on PATH.
@@ -13,11 +15,15 @@ MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 PREFIX=${CRIU_PREFIX:-/usr/local}
 
 patches=$(cd "$(dirname "$0")/criu-patches" && pwd)
-# the patch's own error message marks a binary built with it
-marker='rlimit %d from /proc/%d/limits'
+# each patch's own message marks a binary built with it
+markers=('rlimit %d from /proc/%d/limits' '#PF at 0x%llx: asking for %llu bytes')
 have=$(criu --version 2>/dev/null | awk '/^Version:/{print $2}' || true)
+patched() {
+  local m
+  for m in "${markers[@]}"; do grep -qaF "$m" "$1" || return 1; done
+}
 if [ -n "$have" ] && [ "$(printf '%s\n4.2\n' "$have" | sort -V | head -1)" = "4.2" ] \
-  && grep -qaF "$marker" "$(command -v criu)"; then
+  && patched "$(command -v criu)"; then
   echo "criu $have already installed"; exit 0
 fi
 

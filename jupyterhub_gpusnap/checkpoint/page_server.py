@@ -43,7 +43,7 @@ PS_IOV_CLOSE = 0x1023
 PS_IOV_FORCE_CLOSE = 0x1024
 PS_CMD_BITS = 16
 PE_PRESENT = 1 << 2
-AHEAD = 16 << 20  # bytes checked ahead of a background transfer
+AHEAD = 48 << 20  # bytes checked ahead of a background transfer (3 of its largest requests)
 
 
 class PageServer:
