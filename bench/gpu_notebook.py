@@ -82,6 +82,7 @@ from __future__ import annotations
 import argparse
 import ast
 import asyncio
+import contextlib
 import os
 import pwd
 import secrets
@@ -524,6 +525,34 @@ async def wait_ready_fast(hub, user: str, timeout: float) -> None:
         await asyncio.sleep(0.05)
 
 
+async def wait_page_sums(backend, cid: str, tag: str) -> float | None:
+    """Wait for the page sums a lazy restore of a ``files`` checkpoint needs (written in the
+    background after the suspension, docs/lazy-restore.md); their seconds, None if none."""
+    task = getattr(backend, "page_sums", {}).get(cid)
+    if task is None:
+        return None
+    t = time.monotonic()
+    ok = await task
+    took = round(time.monotonic() - t, 3)
+    say(f"{tag}: page sums {'written' if ok else 'NOT written (the restore will be eager)'} "
+        f"{took:.2f} s after the stop")  # fmt: skip
+    return took
+
+
+async def restore_complete(backend, cid: str, t0: float, timeout: float):
+    """(seconds from ``t0`` until the restore of ``cid`` is complete, its info): restored
+    with every page and the GPU memory back (a lazy restore hands the server out before)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        info = await backend.get(cid)
+        if info is not None and info.status in ("restored", "failed"):
+            if not (info.extra.get("lazy_pending") or info.extra.get("gpu_pending")):
+                return time.monotonic() - t0, info
+        if time.monotonic() > deadline:
+            raise BenchError(f"checkpoint {cid}: restore not complete within {timeout:.0f} s")
+        await asyncio.sleep(0.05)
+
+
 def server_under(init: int) -> int:
     """The server of the sandbox whose init is ``init`` (its only child; 0 if none)."""
     import psutil
@@ -594,10 +623,12 @@ async def gpusnap_run(
         lim.stop + 10,
         f"{tag}: stopping (DELETE) after the checkpoint",
     )
+    sums_s = await wait_page_sums(backend, info.id, tag)
 
     cold = False if KEEP_CACHE else drop_caches()
     say(f"{tag}: click (POST /users/{user}/server)")
     t = time.monotonic()
+    complete = asyncio.ensure_future(restore_complete(backend, info.id, t, lim.restore + 120))
     status, data = await hub.api("POST", f"/users/{user}/server", {}, timeout=60)
     if status not in (201, 202):
         raise BenchError(f"{tag}: POST /users/{user}/server: {status} {data}; see {hub.log_file}")
@@ -626,8 +657,10 @@ async def gpusnap_run(
     )  # fmt: skip
     first_tensor_cell = time.monotonic() - t
     after, _ = parse_digest(out, f"{tag}: checksum cell after the restore")
-    done = await backend.get(info.id)
+    full_restore, done = await bounded(complete, lim.restore + 130, f"{tag}: the whole restore")
     restore_s = (done.extra.get("restore_s") if done else None) or 0.0
+    phases = (done.extra.get("restore_phases") if done else None) or {}
+    say(f"{tag}: restore ({phases.get('mode', 'eager')}) complete after {full_restore:.2f} s")
     say(f"{tag}: same kernel answered after {click:.2f} s (ready {ready_s:.2f} s, backend restore "
         f"{restore_s:.2f} s); checksum cell {first_tensor_cell:.2f} s, intact: {after == checksum}")  # fmt: skip
 
@@ -648,6 +681,10 @@ async def gpusnap_run(
         "click_to_kernel_s": round(click, 3),
         "click_to_ready_s": round(ready_s, 3),
         "first_tensor_cell_s": round(first_tensor_cell, 3),
+        "full_restore_s": round(full_restore, 3),
+        "restore_mode": phases.get("mode", "eager"),
+        "storage": getattr(backend, "storage", "files"),
+        "page_sums_s": sums_s,
         "restore_s": round(restore_s, 3),
         "gpu_free_after": gpu_free_after,
         "intact": after == checksum,
@@ -1030,6 +1067,7 @@ async def main(
     torch_version: str,
     settings: dict | None = None,
     user: str = BENCH_USER,
+    compare: tuple[list[str], list[str]] | None = None,
 ) -> int:
     criu = check_machine(root, sizes)
     try:
@@ -1038,6 +1076,9 @@ async def main(
         sys.exit(str(e))
     say(f"servers run as {pw.pw_name} (uid {pw.pw_uid}, gid {pw.pw_gid}, home {pw.pw_dir})")
     with traversable(reach_targets(root)):
+        if compare is not None:
+            return await compare_restores(criu, pw, sizes, root, repeat, name, torch_version,
+                                          settings or {}, *compare)  # fmt: skip
         return await measure(criu, pw, sizes, root, repeat, name, torch_version, settings)
 
 
@@ -1137,6 +1178,142 @@ async def measure(
     return 1 if failed else 0
 
 
+RESTORE_COLUMNS = [
+    ("gib", "GiB"), ("storage", "stored as"), ("mode", "restore"),
+    ("click_to_kernel_s", "click→kernel s"), ("first_tensor_cell_s", "first tensor cell s"),
+    ("full_restore_s", "full restore s"), ("full_vs_eager", "full vs eager"),
+    ("full_vs_files", "full vs files"), ("intact", "intact"),
+]  # fmt: skip
+CLICK_GOAL_S = 2.0  # lazy restore: the kernel answers within this, whatever the size
+FULL_GOAL = 1.1  # lazy restore: every byte back within this × the eager restore
+
+
+def restore_ratios(rows: list[dict]) -> None:
+    """full_vs_eager (a lazy row's full restore / the eager one's, same size and storage) and
+    full_vs_files (a chunks row's / the files one's, same size and mode)."""
+    by = {(r["gib"], r["storage"], r["mode"]): r for r in rows}
+    for r in rows:
+        eager = by.get((r["gib"], r["storage"], "eager"))
+        files = by.get((r["gib"], "files", r["mode"]))
+        r["full_vs_eager"] = (
+            round(r["full_restore_s"] / eager["full_restore_s"], 3)
+            if eager and r["mode"] != "eager" else None
+        )  # fmt: skip
+        r["full_vs_files"] = (
+            round(r["full_restore_s"] / files["full_restore_s"], 3)
+            if files and r["storage"] != "files" else None
+        )  # fmt: skip
+
+
+def restore_verdicts(rows: list[dict]) -> list[str]:
+    lines = []
+    for r in rows:
+        if r["mode"] != "lazy":
+            continue
+        click = r["click_to_kernel_s"] <= CLICK_GOAL_S
+        full = r["full_vs_eager"] is not None and r["full_vs_eager"] <= FULL_GOAL
+        lines.append(
+            f"{r['gib']:g} GiB {r['storage']} lazy: click {r['click_to_kernel_s']:.2f} s "
+            f"(goal <= {CLICK_GOAL_S:g} s) {'ok' if click else 'OVER'}; full restore "
+            f"{r['full_vs_eager'] if r['full_vs_eager'] is not None else 'n/a'}x eager "
+            f"(goal <= {FULL_GOAL:g}) {'ok' if full else 'OVER'}"
+        )
+    return lines
+
+
+async def compare_restores(
+    criu: str, pw: pwd.struct_passwd, sizes: list[float], root: Path, repeat: int, name: str,
+    torch_version: str, settings: dict, modes: list[str], storages: list[str],
+) -> int:  # fmt: skip
+    """The same GPU notebook restored eagerly and lazily, from raw files and from chunks, in
+    one run (one Hub per storage and mode, configured as the service is); no bare path."""
+    from gpu_suspend import median
+
+    from jupyterhub_gpusnap.checkpoint.criu import criu_version
+    from jupyterhub_gpusnap.checkpoint.local import LocalBackend
+    from tests.helpers.realhub import RealHub
+
+    gpu = Gpu()
+    ckpt = root / "checkpoints"
+    big = max(sizes)
+    rows: list[dict] = []
+    extra = {
+        "sizes": sizes, "repeat": repeat, "backend_settings": settings, "modes": modes,
+        "storages": storages, "dir": str(root), "dir_fs": filesystem_of(root),
+        "criu": await criu_version(criu), "torch": torch_version,
+        "goals": {"click_to_kernel_s": CLICK_GOAL_S, "full_vs_eager": FULL_GOAL},
+        "server_user": pw.pw_name, "server_uid": pw.pw_uid,
+    }  # fmt: skip
+    error = None
+    hub = None
+    try:
+        for storage in storages:
+            for mode in modes:
+                these = {**settings, "storage": storage, "restore_mode": mode}
+                backend = LocalBackend(checkpoint_dir=str(ckpt), min_free_bytes=0, **these)
+                await backend.setup()
+                for old in await backend.list(pw.pw_name):
+                    await backend.delete(old.id)
+                config = HUB_CONFIG.format(
+                    ckpt=str(ckpt), restore_timeout=int(120 + 8 * big),
+                    start_timeout=int(180 + 8 * big), server_args=SERVER_ARGS,
+                ) + "".join(f"c.LocalBackend.{k} = {v!r}\n" for k, v in these.items())  # fmt: skip
+                hub = RealHub(Path(tempfile.mkdtemp(dir=root, prefix="hub-")), config,
+                              start_timeout=120)  # fmt: skip
+                extra.setdefault("hub_logs", []).append(str(hub.log_file))
+                say(f"{storage} / {mode}: starting the Hub in {hub.root}")
+                await bounded(hub.start(), 180, "starting the Hub")
+                try:
+                    for gib in sizes:
+                        nbytes = max(MiB, int(gib * GiB) // MiB * MiB)
+                        runs = []
+                        for r in range(repeat):
+                            say(f"{gib:g} GiB {storage} {mode}: run {r + 1}/{repeat}")
+                            run = await gpusnap_run(
+                                hub, backend, gpu, pw, gib, nbytes, 2000 + len(rows) + r
+                            )
+                            if run["restore_mode"] != mode:
+                                raise BenchError(
+                                    f"{gib:g} GiB {storage}: asked for a {mode} restore, the Hub "
+                                    f"restored {run['restore_mode']} (see {hub.log_file})"
+                                )
+                            runs.append(run)
+                        row = {"gib": gib, "storage": storage, "mode": mode, "repeat": repeat}
+                        for k in ("click_to_kernel_s", "click_to_ready_s", "first_tensor_cell_s",
+                                  "full_restore_s", "restore_s", "time_to_disk_s", "page_sums_s"):  # fmt: skip
+                            vals = [x[k] for x in runs if isinstance(x.get(k), (int, float))]
+                            row[k] = median(vals) if vals else None
+                        for k in ("intact", "restored", "gpu_free_after", "cold_cache"):
+                            row[k] = all(x[k] for x in runs)
+                        row["image_gib"] = round(runs[0]["image_bytes"] / GiB, 2)
+                        row["runs"] = runs
+                        rows.append(row)
+                        restore_ratios(rows)
+                        write_json(name, rows, **extra, complete=False, error=None)
+                finally:
+                    await asyncio.wait_for(hub.stop(), 120)
+                    hub = None
+        write_json(name, rows, **extra, complete=True, error=None)
+    except (Exception, asyncio.CancelledError) as e:
+        if isinstance(e, asyncio.CancelledError):
+            asyncio.current_task().uncancel()
+            error = "interrupted (SIGTERM or Ctrl-C)"
+        else:
+            error = f"{type(e).__name__}: {e}"
+        say(f"FAILED: {error}")
+        write_json(name, rows, **extra, complete=False, error=error)
+        if hub is not None:
+            show_logs(hub, ckpt, pw.pw_name)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(hub.stop(), 120)
+    if rows:
+        print_table(rows, RESTORE_COLUMNS)
+        for line in restore_verdicts(rows):
+            print(line, flush=True)
+    failed = error is not None or any(not r["intact"] or not r["restored"] for r in rows)
+    return 1 if failed else 0
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="A GPU notebook through a real Hub (suspend, then the user's click) against the bare recipe."
@@ -1171,6 +1348,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a LocalBackend setting for the gpusnap path (repeatable), e.g. writeback_during_dump=False",
     )
     p.add_argument(
+        "--compare-restore",
+        action="store_true",
+        help="restore each size eagerly and lazily (--modes), from files and chunks (--storages), "
+        "in one run, instead of gpusnap against the bare recipe; results gpu_notebook_restore*.json",
+    )
+    p.add_argument("--modes", default="eager,lazy", help="with --compare-restore: restore modes")
+    p.add_argument(
+        "--storages", default="files,chunks", help="with --compare-restore: storages"
+    )
+    p.add_argument(
         "--user",
         default=BENCH_USER,
         help="the Unix user the servers run as (created with useradd --create-home if missing; "
@@ -1193,6 +1380,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             if a.sizes == DEFAULT_SIZES
             else "gpu_notebook_" + "-".join(f"{g:g}" for g in a.sizes)
         )
+        if a.compare_restore:
+            a.out = a.out.replace("gpu_notebook", "gpu_notebook_restore", 1)
+    a.modes = [m for m in a.modes.split(",") if m]
+    a.storages = [x for x in a.storages.split(",") if x]
+    if not set(a.modes) <= {"eager", "lazy"} or not set(a.storages) <= {"files", "chunks"}:
+        p.error("--modes takes eager,lazy and --storages files,chunks")
     if not a.out.startswith("gpu_notebook") or "/" in a.out:
         p.error("--out must be a name starting with gpu_notebook (written to bench/results/)")
     return a
@@ -1210,6 +1403,9 @@ def run(argv: list[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, task.cancel)  # a killed run still cleans up
         settings = {k: ast.literal_eval(v) for k, _, v in (o.partition("=") for o in a.backend)}
+        if a.compare_restore:
+            return await main(a.sizes, Path(a.dir), a.repeat, a.out, torch_version, settings,
+                              a.user, compare=(a.modes, a.storages))  # fmt: skip
         return await main(a.sizes, Path(a.dir), a.repeat, a.out, torch_version, settings, a.user)
 
     return asyncio.run(guarded())
