@@ -13,25 +13,26 @@ Checks, each with a result and, when it fails, exactly what to fix:
 * RBAC: a SelfSubjectAccessReview for each verb the hub and the service need.
 
 The API server is called with plain REST (the exact paths a reader can try with
-``kubectl get --raw``); credentials come from the in-cluster ServiceAccount or a kubeconfig.
+``kubectl get --raw``) through :class:`~jupyterhub_gpusnap.kube.api.KubeAPI`; credentials
+come from the in-cluster ServiceAccount or a kubeconfig. The node agents are found and
+called with the hub's own :class:`~jupyterhub_gpusnap.kube.agent.AgentConnection` settings.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
-import ssl
 import sys
 from dataclasses import asdict, dataclass
-from urllib.parse import urlencode
 
-from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
-from traitlets import Bool, Enum, Float, Integer, Unicode, default
+from tornado.httpclient import AsyncHTTPClient, HTTPClientError
+from traitlets import Bool, Enum, Float, Unicode, default
 from traitlets.config import Application, LoggingConfigurable
 
-from .kubespawner import AgentError, agent_token, call_agent
+from .kube.agent import AgentConnection
+from .kube.api import KubeAPI
+from .kube.errors import AgentError
 
 MIN_K8S = (1, 30)  # ContainerCheckpoint beta, on by default
 MIN_CRIU = (4, 2)  # 4.1 cannot dump TCP sockets on recent kernels
@@ -124,57 +125,6 @@ def runtime_check(runtime_version: str, restore_mode: str) -> Check:
     )
 
 
-class KubeREST:
-    """Minimal async REST client for the API server (JSON in, JSON out)."""
-
-    def __init__(self, configuration):
-        self.conf = configuration
-        self.http = AsyncHTTPClient()
-
-    async def request(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-        conf = self.conf
-        if getattr(conf, "refresh_api_key_hook", None):
-            conf.refresh_api_key_hook(conf)
-        headers = {"Accept": "application/json"}
-        token = conf.api_key.get("BearerToken") or conf.api_key.get("authorization")
-        if token:
-            headers["Authorization"] = token if token.startswith("Bearer ") else f"Bearer {token}"
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-        ssl_ctx = None
-        if conf.host.startswith("https"):
-            ssl_ctx = ssl.create_default_context(cafile=conf.ssl_ca_cert or None)
-            if conf.cert_file:
-                ssl_ctx.load_cert_chain(conf.cert_file, conf.key_file)
-            if not conf.verify_ssl:
-                ssl_ctx.check_hostname = False
-                ssl_ctx.verify_mode = ssl.CERT_NONE
-        req = HTTPRequest(
-            conf.host.rstrip("/") + path,
-            method=method,
-            headers=headers,
-            body=None if body is None else json.dumps(body),
-            ssl_options=ssl_ctx,
-            request_timeout=20,
-            connect_timeout=10,
-        )
-        try:
-            resp = await self.http.fetch(req, raise_error=False)
-        except OSError as e:
-            return 0, {"message": f"cannot reach the API server at {conf.host}: {e}"}
-        try:
-            data = json.loads(resp.body) if resp.body else {}
-        except ValueError:
-            data = {"message": resp.body.decode(errors="replace")[:200]}
-        return resp.code, data
-
-    async def get(self, path: str) -> tuple[int, dict]:
-        return await self.request("GET", path)
-
-    async def post(self, path: str, body: dict) -> tuple[int, dict]:
-        return await self.request("POST", path, body)
-
-
 #: (verb, group, resource, subresource, scope, who needs it); scope: "ns" (the
 #: notebook namespace), "agent" (the agent namespace) or "" (cluster)
 RBAC_NEEDS: list[tuple[str, str, str, str, str, str]] = [
@@ -247,39 +197,6 @@ class Doctor(LoggingConfigurable):
         help="The restore mode you configured on SnapKubeSpawner; a runtime without a restore path fails only with 'runtime'.",
     ).tag(config=True)
 
-    agent_namespace = Unicode(
-        "gpusnap-system",
-        help="Namespace of the node agent DaemonSet (same as SnapKubeSpawner.agent_namespace).",
-    ).tag(config=True)
-
-    agent_label_selector = Unicode(
-        "app.kubernetes.io/name=jupyterhub-gpusnap-agent",
-        help="Label selector of the node agent pods; the one on each GPU node is asked.",
-    ).tag(config=True)
-
-    agent_port = Integer(9780, help="Port of the node agent's HTTP API.").tag(config=True)
-
-    agent_url_template = Unicode(
-        "",
-        help="Fixed URL of the node agent on a node ({host_ip}, {node}) instead of the label lookup; "
-        "same as SnapKubeSpawner.agent_url_template.",
-    ).tag(config=True)
-
-    agent_api_token = Unicode(
-        "",
-        help="Bearer token for the node agent (default: $GPUSNAP_AGENT_TOKEN).",
-    ).tag(config=True)
-
-    @default("agent_api_token")
-    def _default_agent_token(self) -> str:
-        return os.environ.get("GPUSNAP_AGENT_TOKEN", "")
-
-    agent_token_file = Unicode(
-        "",
-        help="File with the node agent's token. With neither this nor agent_api_token, this "
-        "pod's ServiceAccount token is sent (agents with auth='tokenreview').",
-    ).tag(config=True)
-
     agent_timeout = Float(10, help="Seconds to wait for each node agent answer.").tag(config=True)
 
     registry = Unicode(
@@ -299,26 +216,16 @@ class Doctor(LoggingConfigurable):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self._rest: KubeREST | None = None
+        self._api: KubeAPI | None = None
+        self.agents: AgentConnection | None = None
 
-    async def _client(self) -> KubeREST:
-        if self._rest is None:
-            from kubernetes_asyncio import config
-            from kubernetes_asyncio.client import Configuration
-
-            conf = Configuration()
-            if self.kubeconfig and not os.path.exists(os.path.expanduser(self.kubeconfig)):
-                raise FileNotFoundError(f"kubeconfig {self.kubeconfig} not found")
-            try:
-                if self.kubeconfig:
-                    raise config.ConfigException("kubeconfig given")
-                config.load_incluster_config(client_configuration=conf)
-            except config.ConfigException:
-                await config.load_kube_config(
-                    config_file=self.kubeconfig or None, client_configuration=conf
-                )
-            self._rest = KubeREST(conf)
-        return self._rest
+    async def _client(self) -> KubeAPI:
+        if self._api is None:
+            self._api = await KubeAPI.from_kubeconfig(self.kubeconfig, parent=self)
+            # the node agents as the hub reaches them (c.AgentConnection), looked up with
+            # doctor's credentials
+            self.agents = AgentConnection(parent=self, api=self._api)
+        return self._api
 
     async def run(self) -> list[Check]:
         """Run every check and return them in table order."""
@@ -343,8 +250,8 @@ class Doctor(LoggingConfigurable):
         checks += await self._check_rbac(kube)
         return checks
 
-    async def _check_version(self, kube: KubeREST) -> tuple[Check, tuple[int, ...] | None]:
-        code, data = await kube.get("/version")
+    async def _check_version(self, kube: KubeAPI) -> tuple[Check, tuple[int, ...] | None]:
+        code, data = await kube.answer("GET", "/version")
         if code != 200:
             return (
                 Check(
@@ -370,8 +277,8 @@ class Doctor(LoggingConfigurable):
             )
         return Check("kubernetes-version", "ok", f"API server {git}"), v
 
-    async def _check_nodes(self, kube: KubeREST, server_version) -> list[Check]:
-        code, data = await kube.get("/api/v1/nodes")
+    async def _check_nodes(self, kube: KubeAPI, server_version) -> list[Check]:
+        code, data = await kube.answer("GET", "/api/v1/nodes")
         if code != 200:
             return [
                 Check(
@@ -405,7 +312,7 @@ class Doctor(LoggingConfigurable):
             checks += r
         return checks
 
-    async def _check_node(self, kube: KubeREST, node: dict) -> list[Check]:
+    async def _check_node(self, kube: KubeAPI, node: dict) -> list[Check]:
         name = node["metadata"]["name"]
         labels = node["metadata"].get("labels") or {}
         info = node.get("status", {}).get("nodeInfo") or {}
@@ -452,8 +359,8 @@ class Doctor(LoggingConfigurable):
                 add(c)
         return [Check(f"{name}: {c.name}", c.status, c.detail, c.fix) for c in out]
 
-    async def _gate_check(self, kube: KubeREST, node: str, kubelet_version, agent_checks) -> Check:
-        code, data = await kube.get(f"/api/v1/nodes/{node}/proxy/configz")
+    async def _gate_check(self, kube: KubeAPI, node: str, kubelet_version, agent_checks) -> Check:
+        code, data = await kube.answer("GET", f"/api/v1/nodes/{node}/proxy/configz")
         if code == 200:
             gates = (data.get("kubeletconfig") or {}).get("featureGates") or {}
             enabled = gates.get("ContainerCheckpoint")
@@ -485,45 +392,32 @@ class Doctor(LoggingConfigurable):
             "allowed 'get nodes/proxy' (an admin's)",
         )
 
-    async def _agent_url(self, kube: KubeREST, node: dict) -> str:
+    async def _agent_url(self, node: dict) -> str:
         name = node["metadata"]["name"]
-        if self.agent_url_template:
-            addresses = node.get("status", {}).get("addresses") or []
-            host_ip = next((a["address"] for a in addresses if a.get("type") == "InternalIP"), "")
-            return self.agent_url_template.format(host_ip=host_ip, node=name)
-        query = urlencode(
-            {"labelSelector": self.agent_label_selector, "fieldSelector": f"spec.nodeName={name}"}
-        )
-        code, data = await kube.get(f"/api/v1/namespaces/{self.agent_namespace}/pods?{query}")
-        if code != 200:
-            raise AgentError(
-                f"cannot list agent pods in {self.agent_namespace}: {code} {data.get('message', '')}"
-            )
-        ips = [
-            p["status"]["podIP"]
-            for p in data.get("items", [])
-            if (p.get("status") or {}).get("podIP")
-        ]
-        if not ips:
-            raise AgentError(
-                f"no node agent pod on {name} (selector {self.agent_label_selector} in namespace "
-                f"{self.agent_namespace})"
-            )
-        ip = ips[0]
-        return f"http://{'[' + ip + ']' if ':' in ip else ip}:{self.agent_port}"
-
-    async def _agent_checks(self, kube: KubeREST, node: dict) -> list[Check]:
+        addresses = node.get("status", {}).get("addresses") or []
+        host_ip = next((a["address"] for a in addresses if a.get("type") == "InternalIP"), "")
         try:
-            url = await self._agent_url(kube, node)
-            token = agent_token(self.agent_api_token, self.agent_token_file)
-            health = await call_agent(url, "/healthz", token, timeout=self.agent_timeout)
+            return await self.agents.agent_url(name, host_ip)
+        except AgentError as e:
+            if e.code != 503:
+                raise
+            raise AgentError(
+                f"no node agent pod on {name} (selector {self.agents.agent_label_selector} in "
+                f"namespace {self.agents.agent_namespace})",
+                code=503,
+            ) from e
+
+    async def _agent_checks(self, kube: KubeAPI, node: dict) -> list[Check]:
+        try:
+            url = await self._agent_url(node)
+            health = await self.agents.call(url, "GET", "/healthz", timeout=self.agent_timeout)
         except AgentError as e:
             fix = (
                 "deploy the agent DaemonSet (kubectl apply -f helm-values/agent/) on GPU nodes "
                 "(its nodeSelector and tolerations must match them), allow the hub egress to its "
                 "port, and give both sides the same token"
             )
-            if "bad token" in str(e) or "401" in str(e):
+            if e.code == 401 or "bad token" in str(e) or "401" in str(e):
                 fix = "give doctor and the hub the agent's token (GPUSNAP_AGENT_TOKEN from the agent Secret)"
             return [Check("node-agent", "fail", str(e), fix)]
         checks = [Check("node-agent", "ok", f"answering at {url}")]
@@ -573,7 +467,7 @@ class Doctor(LoggingConfigurable):
         else:
             checks.append(Check("nvidia-driver", "ok", f"driver {driver}"))
         try:
-            node_side = await call_agent(url, "/v1/doctor", token, timeout=self.agent_timeout)
+            node_side = await self.agents.call(url, "GET", "/v1/doctor", timeout=self.agent_timeout)
         except AgentError as e:
             checks.append(
                 Check(
@@ -599,7 +493,7 @@ class Doctor(LoggingConfigurable):
             checks.append(check)
         return checks
 
-    async def _check_storage(self, kube: KubeREST) -> list[Check]:
+    async def _check_storage(self, kube: KubeAPI) -> list[Check]:
         checks: list[Check] = []
         if self.registry:
             host = self.registry.split("/", 1)[0]
@@ -625,8 +519,8 @@ class Doctor(LoggingConfigurable):
                     )
                 )
         if self.pvc:
-            code, data = await kube.get(
-                f"/api/v1/namespaces/{self.namespace}/persistentvolumeclaims/{self.pvc}"
+            code, data = await kube.answer(
+                "GET", f"/api/v1/namespaces/{self.namespace}/persistentvolumeclaims/{self.pvc}"
             )
             phase = (data.get("status") or {}).get("phase") if code == 200 else None
             if code == 200 and phase == "Bound":
@@ -661,10 +555,10 @@ class Doctor(LoggingConfigurable):
             )
         return checks
 
-    async def _check_rbac(self, kube: KubeREST) -> list[Check]:
+    async def _check_rbac(self, kube: KubeAPI) -> list[Check]:
         async def review(need) -> Check:
             verb, group, resource, sub, scope, why = need
-            namespace = {"ns": self.namespace, "agent": self.agent_namespace}.get(scope, "")
+            namespace = {"ns": self.namespace, "agent": self.agents.agent_namespace}.get(scope, "")
             namespaced = bool(namespace)
             attrs = {"verb": verb, "resource": resource}
             if group:
@@ -678,8 +572,8 @@ class Doctor(LoggingConfigurable):
                 "kind": "SelfSubjectAccessReview",
                 "spec": {"resourceAttributes": attrs},
             }
-            code, data = await kube.post(
-                "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", body
+            code, data = await kube.answer(
+                "POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", body
             )
             what = f"{verb} {resource}{'/' + sub if sub else ''}" + (
                 f" in {namespace}" if namespaced else " (cluster)"
@@ -731,7 +625,7 @@ class DoctorApp(Application):
 
     name = "jupyterhub-gpusnap-doctor"
     description = __doc__.split("\n\n")[0] if __doc__ else ""
-    classes = [Doctor]
+    classes = [Doctor, AgentConnection]
 
     aliases = {
         "namespace": "Doctor.namespace",
@@ -739,11 +633,11 @@ class DoctorApp(Application):
         "registry": "Doctor.registry",
         "pvc": "Doctor.pvc",
         "restore-mode": "Doctor.restore_mode",
-        "agent-namespace": "Doctor.agent_namespace",
-        "agent-port": "Doctor.agent_port",
-        "agent-url": "Doctor.agent_url_template",
-        "agent-token": "Doctor.agent_api_token",
-        "agent-token-file": "Doctor.agent_token_file",
+        "agent-namespace": "AgentConnection.agent_namespace",
+        "agent-port": "AgentConnection.agent_port",
+        "agent-url": "AgentConnection.agent_url_template",
+        "agent-token": "AgentConnection.agent_api_token",
+        "agent-token-file": "AgentConnection.agent_token_file",
         "config": "DoctorApp.config_file",
         "log-level": "Application.log_level",
     }
@@ -756,7 +650,9 @@ class DoctorApp(Application):
     }
 
     output_json = Bool(False, help="Print the checks as JSON instead of a table.").tag(config=True)
-    config_file = Unicode("", help="Python config file to load (c.Doctor.…).").tag(config=True)
+    config_file = Unicode(
+        "", help="Python config file to load (c.Doctor.…, c.AgentConnection.…)."
+    ).tag(config=True)
 
     checks: list[Check] = []
 

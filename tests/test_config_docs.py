@@ -6,14 +6,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from jupyterhub_gpusnap.agent.kubelet import KubeAPI
 from jupyterhub_gpusnap.app import GpuSnap
-from jupyterhub_gpusnap.checkpoint.kubernetes import AgentLocator, KubernetesBackend
+from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend
 from jupyterhub_gpusnap.checkpoint.oci import RegistryClient
 from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
 from jupyterhub_gpusnap.gpu.park import Parking
 from jupyterhub_gpusnap.hub import HubClient
+from jupyterhub_gpusnap.kube.agent import AgentConnection, AgentLocator
+from jupyterhub_gpusnap.kube.api import KubeAPI
 from jupyterhub_gpusnap.notify import Mailer, Notifier, ServiceNotifier
 from jupyterhub_gpusnap.retry import Backoff
 from jupyterhub_gpusnap.signals.agent import AgentSignal
@@ -27,8 +28,8 @@ from jupyterhub_gpusnap.watcher import Watcher
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 #: the service and everything it configures (what --generate-config prints, and the rest)
 CLASSES = [GpuSnap, Watcher, HubClient, LocalBackend, CudaCheckpoint, Parking, KubernetesBackend,
-           AgentLocator, KubeAPI, RegistryClient, SignalSource, JupyterSignal, NvmlSignal,
-           PrometheusSignal, AgentSignal, LocalProcessSignal, Mailer, Notifier, ServiceNotifier,
+           AgentConnection, AgentLocator, KubeAPI, RegistryClient, SignalSource, JupyterSignal,
+           NvmlSignal, PrometheusSignal, AgentSignal, LocalProcessSignal, Mailer, Notifier, ServiceNotifier,
            Backoff]
 
 

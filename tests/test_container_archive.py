@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jupyterhub_gpusnap.agent.container_archive import ContainerArchive, apply_rootfs_diff
-from jupyterhub_gpusnap.agent.errors import AgentError
+from jupyterhub_gpusnap.kube.errors import AgentError
 
 
 def archive_with(tmp_path: Path, members: list[tarfile.TarInfo], deleted: list[str] | None = None,

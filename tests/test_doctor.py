@@ -12,8 +12,10 @@ import json
 import pytest
 import tornado.web
 from tornado.httpserver import HTTPServer
+from traitlets.config import Config
 
 from jupyterhub_gpusnap.doctor import RBAC_NEEDS, Doctor, DoctorApp, format_table, runtime_check
+from jupyterhub_gpusnap.kube.agent import AgentConnection
 from tests.helpers.fake_kube import A100, H100, FakeAgent, fake_cluster, free_port, make_node
 
 pytestmark = pytest.mark.k8s
@@ -85,7 +87,11 @@ def doctor_config(kube, port, **over) -> dict:
         agent_api_token="agent-secret",
     )
     cfg.update(over)
-    return cfg
+    # the agent settings are AgentConnection's, the rest Doctor's
+    c = Config()
+    for k, v in cfg.items():
+        setattr(c.AgentConnection if k in AgentConnection.class_own_traits() else c.Doctor, k, v)
+    return {"config": c}
 
 
 @pytest.fixture

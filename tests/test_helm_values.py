@@ -23,8 +23,9 @@ import yaml
 from traitlets.config import Config, PyFileConfigLoader
 
 from jupyterhub_gpusnap.agent.app import AgentApp
-from jupyterhub_gpusnap.doctor import RBAC_NEEDS, Doctor, granted_by_chart
+from jupyterhub_gpusnap.doctor import RBAC_NEEDS, granted_by_chart
 from jupyterhub_gpusnap.hubconfig import REQUIRED_SCOPES
+from jupyterhub_gpusnap.kube.agent import AgentConnection
 from jupyterhub_gpusnap.kubespawner import SnapKubeSpawner
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -161,16 +162,15 @@ def test_daemonset_is_what_the_agent_needs():
     labels = ds["spec"]["template"]["metadata"]["labels"]
     assert labels["app.kubernetes.io/name"] == "jupyterhub-gpusnap-agent"
     # the hub side finds agents by this label (spawner, service, doctor)
-    selector = SnapKubeSpawner.agent_label_selector.default_value
+    selector = AgentConnection.agent_label_selector.default_value
     key, _, value = selector.partition("=")
     assert labels[key] == value
-    assert Doctor.agent_label_selector.default_value == selector
     assert pod["hostPID"] is True and not pod.get("hostNetwork")
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     (container,) = pod["containers"]
     assert container["securityContext"]["privileged"] is True
     assert (
-        container["ports"][0]["containerPort"] == SnapKubeSpawner.agent_port.default_value == 9780
+        container["ports"][0]["containerPort"] == AgentConnection.agent_port.default_value == 9780
     )
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     host_paths = {v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
@@ -188,10 +188,7 @@ def test_daemonset_is_what_the_agent_needs():
     } <= mounts
     assert pod["serviceAccountName"] == "gpusnap-agent"
     ns = ds["metadata"]["namespace"]
-    assert (
-        ns == SnapKubeSpawner.agent_namespace.default_value
-        or ns == Doctor.agent_namespace.default_value
-    )
+    assert ns == AgentConnection.agent_namespace.default_value
     # the agent config mounted from the ConfigMap compiles
     cm = next(o for o in objs if o["kind"] == "ConfigMap")
     compile(cm["data"]["agent_config.py"], "agent_config.py", "exec")

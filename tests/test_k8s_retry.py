@@ -13,7 +13,7 @@ import pytest
 from traitlets import TraitError
 from traitlets.config import Config
 
-from jupyterhub_gpusnap.agent.errors import AgentError
+from jupyterhub_gpusnap.kube.errors import AgentError
 from jupyterhub_gpusnap.checkpoint.base import CheckpointInfo
 from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
 from tests.helpers.fake_kube import HUB_USER, FakeKube
@@ -106,7 +106,7 @@ async def test_the_agents_api_server_calls_survive_a_failing_gateway(kube, proxy
     a 502 is tried again; a create or delete whose answer was lost counts as done on the
     next try's 409/404 rather than being done twice; a first 404 is an error; a periodic
     read (retry=False) tries once."""
-    from jupyterhub_gpusnap.agent.kubelet import KubeAPI
+    from jupyterhub_gpusnap.kube.api import KubeAPI
 
     token = tmp_path / "agent-token"
     token.write_text(kube.add_token("system:serviceaccount:gpusnap:agent"))

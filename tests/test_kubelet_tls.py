@@ -18,8 +18,9 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from jupyterhub_gpusnap.agent import AgentError
-from jupyterhub_gpusnap.agent.kubelet import SA_DIR, KubeAPI, KubeletClient
+from jupyterhub_gpusnap.agent.kubelet import KubeletClient
+from jupyterhub_gpusnap.kube import AgentError
+from jupyterhub_gpusnap.kube.api import SA_DIR, KubeAPI
 from tests.helpers.fake_kube import NODE, FakeKube, Workload
 
 pytestmark = [pytest.mark.k8s]

@@ -24,6 +24,7 @@ import pytest
 from jupyterhub import orm
 from traitlets.config import Config
 
+from jupyterhub_gpusnap.kube.agent import AgentConnection
 from jupyterhub_gpusnap.kubespawner import (
     PLACEHOLDER_ANNOTATION,
     RESTORED_FROM_ANNOTATION,
@@ -83,11 +84,13 @@ def make_spawner(kube: FakeKube, agent: FakeAgent | None = None, **traits) -> Sn
     c.Backoff.retry_backoff = 0.01
     c.Backoff.retry_backoff_max = 0.05
     if agent is not None:
-        cfg.agent_namespace = "gpusnap-system"
-        cfg.agent_port = agent.port
-        cfg.agent_api_token = agent.token
+        c.AgentConnection.agent_namespace = "gpusnap-system"
+        c.AgentConnection.agent_port = agent.port
+        c.AgentConnection.agent_api_token = agent.token
     for k, v in traits.items():
-        setattr(cfg, k, v)
+        # the agent settings are AgentConnection's, the rest the spawner's
+        agent_setting = k in AgentConnection.class_own_traits(config=True)
+        setattr(c.AgentConnection if agent_setting else cfg, k, v)
     user = SimpleNamespace(name="alice", id=7, url="/user/alice/")
     hub = SimpleNamespace(
         api_url="http://hub:8081/hub/api",

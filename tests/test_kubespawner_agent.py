@@ -251,9 +251,9 @@ def hub_config(s) -> Config:
     spawner.k8s_api_request_retry_timeout = 10
     spawner.restore_timeout = 120
     spawner.server_poll_interval = 0.1
-    spawner.agent_namespace = "gpusnap-system"
-    spawner.agent_port = s.gateway.port  # the spawner reaches the agent through the gateway
-    spawner.agent_api_token = AGENT_SECRET
+    c.AgentConnection.agent_namespace = "gpusnap-system"
+    c.AgentConnection.agent_port = s.gateway.port  # the spawner reaches the agent through the gateway
+    c.AgentConnection.agent_api_token = AGENT_SECRET
     c.KubeAPI.api_url = s.kube.url
     c.KubeAPI.token_file = str(token)
     c.AgentLocator.namespace = "jhub"

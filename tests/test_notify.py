@@ -733,7 +733,7 @@ OUR_SENTENCES = [
     "the API server did not accept our token for GET /api/v1/namespaces/jhub/pods/jupyter-alice",
     "check token_file: it must be a valid ServiceAccount token",
     "no token for the node agent (/var/run/secrets/kubernetes.io/serviceaccount/token: No such "
-    "file or directory): set SnapKubeSpawner.agent_api_token",
+    "file or directory): set AgentConnection.agent_api_token",
     "encryption key file /etc/jupyterhub-gpusnap/keys, line 2: expected '<id> <base64 key>'",
     "chunk fails authentication under key 'k1'",
     "alice/gpu: 3.2 GiB free in /var/lib/jupyterhub-gpusnap/checkpoints/alice/gpu, the image "

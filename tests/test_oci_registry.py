@@ -279,14 +279,14 @@ async def test_pvc_copy_is_verified_and_fetched_back(tmp_path):
     with open(shipped.id, "r+b") as f:  # the PVC copy changes behind our back
         f.seek(600)
         f.write(b"\xff")
-    from jupyterhub_gpusnap.agent import AgentError
+    from jupyterhub_gpusnap.kube import AgentError
 
     with pytest.raises(AgentError, match="corrupt"):
         await shipper.fetch(shipped.id, tmp_path / "again")
 
 
 async def test_tar_with_escaping_paths_is_refused(tmp_path):
-    from jupyterhub_gpusnap.agent import AgentError
+    from jupyterhub_gpusnap.kube import AgentError
     from jupyterhub_gpusnap.agent.ship import extract_archive
 
     evil = tmp_path / "evil.tar"

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from traitlets.config import Config
 
-from jupyterhub_gpusnap.agent.errors import AgentError
+from jupyterhub_gpusnap.kube.errors import AgentError
 from jupyterhub_gpusnap.agent.ship import Shipper
 from jupyterhub_gpusnap.checkpoint import oci
 from tests.helpers.fault_proxy import Fault, FaultProxy

@@ -5,7 +5,3 @@ through the kubelet and ships the archives off the node as OCI images (or to a P
 and restores them. The service and the spawner talk to it over a small JSON API
 (see :mod:`jupyterhub_gpusnap.agent.app`).
 """
-
-from .errors import AgentError
-
-__all__ = ["AgentError"]

@@ -65,8 +65,10 @@ from ..gpu.park import Parking
 from ..gpu.park import park as park_pids
 from ..gpu.park import unpark as unpark_pids
 from ..gpu.view import agent_payload, read_devices
+from ..kube.api import KubeAPI
+from ..kube.errors import AgentError
 from .container_archive import ContainerArchive, apply_rootfs_diff
-from .errors import AgentError, need
+from .errors import need
 from .handlers import (
     CheckpointHandler,
     DoctorHandler,
@@ -78,7 +80,7 @@ from .handlers import (
     UnparkHandler,
 )
 from .kept import KeptArchives
-from .kubelet import KubeAPI, KubeletClient
+from .kubelet import KubeletClient
 from .placeholder import JOINABLE_NAMESPACES, PLACEHOLDER_ANNOTATION, Placeholder, pick_root
 from .pods import CpuMeter, PodMapper, container_id
 from .rbac import Need, agent_rbac_needs

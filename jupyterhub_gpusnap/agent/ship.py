@@ -23,7 +23,7 @@ from traitlets.config import LoggingConfigurable
 
 from ..checkpoint import oci
 from ..gpu.compat import GpuNeeds
-from .errors import AgentError
+from ..kube.errors import AgentError
 
 
 @dataclass

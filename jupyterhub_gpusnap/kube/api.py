@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote, urlencode
 
@@ -73,7 +75,50 @@ class KubeAPI(LoggingConfigurable):
         # c.KubeAPI.Backoff… (the agent's); the hub side passes the AgentLocator's
         return Backoff(parent=self)
 
+    #: Credentials from a kubeconfig (:meth:`from_kubeconfig`): an ``ssl.SSLContext`` with the
+    #: cluster CA and any client certificate, and a function returning the bearer token ("" for
+    #: none). ``None``: ``ca_file`` and ``token_file``, the in-cluster ServiceAccount.
+    ssl_context: ssl.SSLContext | None = None
+    token_source: Callable[[], str] | None = None
+
+    @classmethod
+    async def from_kubeconfig(cls, kubeconfig: str = "", **kwargs) -> KubeAPI:
+        """A client with the in-cluster ServiceAccount, or outside a cluster with ``kubeconfig``
+        (default: $KUBECONFIG or ~/.kube/config), as ``kubectl`` finds its credentials."""
+        from kubernetes_asyncio import config
+        from kubernetes_asyncio.client import Configuration
+
+        conf = Configuration()
+        if kubeconfig and not os.path.exists(os.path.expanduser(kubeconfig)):
+            raise FileNotFoundError(f"kubeconfig {kubeconfig} not found")
+        try:
+            if kubeconfig:
+                raise config.ConfigException("kubeconfig given")
+            config.load_incluster_config(client_configuration=conf)
+        except config.ConfigException:
+            await config.load_kube_config(config_file=kubeconfig or None, client_configuration=conf)
+        api = cls(api_url=conf.host, ca_file=conf.ssl_ca_cert or "", **kwargs)
+        if conf.host.startswith("https"):
+            ctx = ssl.create_default_context(cafile=conf.ssl_ca_cert or None)
+            if conf.cert_file:
+                ctx.load_cert_chain(conf.cert_file, conf.key_file)
+            if not conf.verify_ssl:
+                ctx.check_hostname = False
+                ctx.verify_mode = ssl.CERT_NONE
+            api.ssl_context = ctx
+
+        def token() -> str:
+            if getattr(conf, "refresh_api_key_hook", None):
+                conf.refresh_api_key_hook(conf)
+            value = conf.api_key.get("BearerToken") or conf.api_key.get("authorization") or ""
+            return value.removeprefix("Bearer ")
+
+        api.token_source = token
+        return api
+
     def token(self) -> str:
+        if self.token_source is not None:
+            return self.token_source()
         try:
             return Path(self.token_file).read_text().strip()
         except OSError as e:
@@ -127,32 +172,47 @@ class KubeAPI(LoggingConfigurable):
             f"API server: {method} {path}",
         )
 
-    async def _request_once(
+    async def answer(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
+        """One try, the answer as it comes: ``(HTTP status, JSON body)``, ``(0, {"message":
+        why})`` when the API server cannot be reached. For a report of what the API server
+        says (``jupyterhub-gpusnap doctor``), where a refusal is a finding, not an error."""
+        try:
+            response = await self._fetch(method, path, body, None, None)
+        except AgentError as e:
+            return 0, {"message": e.message}
+        try:
+            data = json.loads(response.body) if response.body else {}
+        except ValueError:
+            data = {"message": response.body.decode(errors="replace")[:200]}
+        return response.code, data if isinstance(data, dict) else {}
+
+    async def _fetch(
         self,
         method: str,
         path: str,
         body: dict | None,
         query: dict | None,
         timeout: float | None,
-        ok: tuple[int, ...],
-    ) -> dict:
+    ):
+        """Send one request; AgentError when no answer comes, the response otherwise."""
         url = self.api_url.rstrip("/") + path
         if query:
             url += "?" + urlencode(query)
+        headers = {"Accept": "application/json", "Content-Type": "application/json"}
+        token = self.token()
+        if token or self.token_source is None:
+            headers["Authorization"] = f"Bearer {token}"
         req = HTTPRequest(
             url,
             method=method,
-            headers={
-                "Authorization": f"Bearer {self.token()}",
-                "Accept": "application/json",
-                "Content-Type": "application/json",
-            },
+            headers=headers,
             body=json.dumps(body) if body is not None else (b"" if method == "POST" else None),
             request_timeout=timeout or self.request_timeout,
             ca_certs=self.ca_file or None,
+            ssl_options=self.ssl_context,
         )
         try:
-            response = await AsyncHTTPClient().fetch(req, raise_error=False)
+            return await AsyncHTTPClient().fetch(req, raise_error=False)
         except HTTPClientError as e:  # timeouts (599) raise even with raise_error=False
             raise AgentError(
                 f"no answer from the API server for {method} {path}: {e}",
@@ -165,6 +225,17 @@ class KubeAPI(LoggingConfigurable):
                 "check api_url and the network policy between this pod and the API server",
                 502,
             ) from e
+
+    async def _request_once(
+        self,
+        method: str,
+        path: str,
+        body: dict | None,
+        query: dict | None,
+        timeout: float | None,
+        ok: tuple[int, ...],
+    ) -> dict:
+        response = await self._fetch(method, path, body, query, timeout)
         if response.code in ok:
             return json.loads(response.body) if response.body else {}
         reason, message = status_message(response.body)
