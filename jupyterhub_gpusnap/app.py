@@ -11,7 +11,6 @@ import asyncio
 import logging
 import os
 import signal
-import sys
 import time
 from urllib.parse import urlparse
 
@@ -518,21 +517,48 @@ class GpuSnap(Application):
         asyncio.run(self.run())
 
 
+#: ``jupyterhub-gpusnap NAME …``: the admin commands beside the service, as traitlets
+#: subcommands (each an Application of its own, imported only when named).
+SUBCOMMANDS = {
+    "doctor": (
+        "jupyterhub_gpusnap.doctor.DoctorApp",
+        "Check a Kubernetes cluster's readiness for gpusnap and say what to fix.",
+    ),
+    "keys": (
+        "jupyterhub_gpusnap.keys_cli.KeysApp",
+        "Make encryption keys; show which keys the checkpoints use.",
+    ),
+    "unpack": (
+        "jupyterhub_gpusnap.unpack_cli.UnpackApp",
+        "Write a chunk-stored checkpoint out as CRIU image files (recovery by hand).",
+    ),
+}
+
+
+class GpuSnapCommand(Application):
+    """``jupyterhub-gpusnap``: the service (:class:`GpuSnap`), or one of its
+    :data:`SUBCOMMANDS` when the first word names one. It reads the command line as the
+    service does (same options, same help) but applies nothing: the service checks its
+    settings itself, with its own error messages."""
+
+    name = GpuSnap.name
+    version = __version__
+    description = GpuSnap.description
+    aliases = GpuSnap.aliases
+    flags = GpuSnap.flags
+    subcommands = Dict(SUBCOMMANDS)
+
+    @property
+    def classes(self):
+        """The service's classes, so that ``--help-all`` lists its settings."""
+        return GpuSnap.classes.fget(self)
+
+
 def main(argv=None):
-    if argv is None:
-        argv = sys.argv[1:]
-    if argv and argv[0] == "doctor":
-        from .doctor import main as doctor_main
-
-        return doctor_main(argv[1:])
-    if argv and argv[0] == "keys":
-        from .keys_cli import main as keys_main
-
-        sys.exit(keys_main(argv[1:]))
-    if argv and argv[0] == "unpack":
-        from .unpack_cli import main as unpack_main
-
-        sys.exit(unpack_main(argv[1:]))
+    command = GpuSnapCommand()
+    command.parse_command_line(argv)  # a subcommand: traitlets starts it as command.subapp
+    if command.subapp is not None:
+        return command.subapp.start()
     app = GpuSnap()
     app.initialize(argv)
     app.start()

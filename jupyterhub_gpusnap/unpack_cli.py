@@ -9,11 +9,13 @@ Checkpoints kept as files need no unpacking.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from traitlets import Unicode
+from traitlets.config import Application
 
 from .checkpoint.chunks import STORE, ChunkStore
 from .checkpoint.keys import KeyFileError, load_keys
@@ -36,31 +38,61 @@ def unpack(folder: Path, dest: Path, key_file: str = "", replica_dir: str = "") 
     keys = load_keys(key_file) if key_file else []
     dest.mkdir(mode=0o700, parents=True, exist_ok=True)
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        store = ChunkStore(root, pool, keys=keys, replica_root=replicas if replicas.is_dir() else None)
+        store = ChunkStore(
+            root, pool, keys=keys, replica_root=replicas if replicas.is_dir() else None
+        )
         return store.unpack(m.key_id, m.chunks, m.sizes, dest)
 
 
+class UnpackApp(Application):
+    """``jupyterhub-gpusnap unpack CHECKPOINT DEST``: a chunk-stored checkpoint as CRIU image files."""
+
+    name = "jupyterhub-gpusnap unpack"
+    description = __doc__.split("\n\n")[0] if __doc__ else ""
+    examples = """
+    jupyterhub-gpusnap unpack <checkpoint_dir>/<user>/<server>/<time> /root/rescue --key-file /etc/jupyterhub-gpusnap/keys
+    """
+    aliases = {"key-file": "UnpackApp.key_file", "replica-dir": "UnpackApp.replica_dir"}
+
+    key_file = Unicode("", help="LocalBackend.encryption_key_file, if encrypted.").tag(config=True)
+    replica_dir = Unicode("", help="LocalBackend.replica_dir, if set.").tag(config=True)
+
+    def run(self) -> int:
+        """Unpack; the exit status (1: a chunk could not be read, 2: an error)."""
+        if len(self.extra_args) != 2:
+            print(
+                "usage: jupyterhub-gpusnap unpack CHECKPOINT DEST [--key-file FILE] [--replica-dir DIR]\n"
+                "  CHECKPOINT: the checkpoint's folder (<checkpoint_dir>/<user>/<server>/<time>)\n"
+                "  DEST: an empty folder on a root-only file system (it will hold memory)",
+                file=sys.stderr,
+            )
+            return 2
+        checkpoint, dest = (Path(a) for a in self.extra_args)
+        if dest.exists() and any(dest.iterdir()):
+            print(f"error: {dest} is not empty", file=sys.stderr)
+            return 2
+        try:
+            problems = unpack(checkpoint, dest, self.key_file, self.replica_dir)
+        except (OSError, ValueError, KeyFileError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        if not problems:
+            print(
+                f"unpacked into {dest}; restore with: criu restore -D {dest} --shell-job --tcp-close -d"
+            )
+        return 1 if problems else 0
+
+    def start(self) -> None:
+        sys.exit(self.run())
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="jupyterhub-gpusnap unpack", description=__doc__.split("\n\n")[0])
-    p.add_argument("checkpoint", help="the checkpoint's folder (<checkpoint_dir>/<user>/<server>/<time>)")
-    p.add_argument("dest", help="an empty folder on a root-only file system (it will hold memory)")
-    p.add_argument("--key-file", default="", help="LocalBackend.encryption_key_file, if encrypted")
-    p.add_argument("--replica-dir", default="", help="LocalBackend.replica_dir, if set")
-    a = p.parse_args(argv)
-    dest = Path(a.dest)
-    if dest.exists() and any(dest.iterdir()):
-        print(f"error: {dest} is not empty", file=sys.stderr)
-        return 2
-    try:
-        problems = unpack(Path(a.checkpoint), dest, a.key_file, a.replica_dir)
-    except (OSError, ValueError, KeyFileError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for line in problems:
-        print(f"error: {line}", file=sys.stderr)
-    if not problems:
-        print(f"unpacked into {dest}; restore with: criu restore -D {dest} --shell-job --tcp-close -d")
-    return 1 if problems else 0
+    """Run ``unpack`` with ``argv`` (the words after ``unpack``); its exit status."""
+    app = UnpackApp()
+    app.initialize(argv)
+    return app.run()
 
 
 if __name__ == "__main__":
