@@ -1002,12 +1002,13 @@ class ServiceNotifier(Notifier):
 
     def retention(self) -> float | None:
         """Days a snapshot is kept, as emails quote it: `retention_days`, else the backend's
-        ``max_age_days`` (None: no number to quote)."""
+        own figure (``CheckpointBackend.retention_days``: LocalBackend's ``max_age_days``);
+        None: no number to quote."""
         if self.retention_days is not None:
             return self.retention_days
-        backend = getattr(self.app, "backend", None)
-        days = getattr(backend, "max_age_days", None)
-        return days if isinstance(days, (int, float)) and days > 0 else None
+        backend = getattr(self.app, "backend", None)  # None until the service has made one
+        days = backend.retention_days if backend is not None else None
+        return days if days else None
 
     @default("mailer")
     def _default_mailer(self) -> Mailer:
