@@ -317,9 +317,9 @@ async def test_make_room_api_needs_the_node_with_a_gpu_on_a_hub_with_several_gpu
     settings = f"""
 c.GpuSnap.backend_class = "jupyterhub_gpusnap.checkpoint.kubernetes.KubernetesBackend"
 c.AgentLocator.namespace = "jhub"
-c.AgentLocator.agent_namespace = "gpusnap"
-c.AgentLocator.agent_port = {cluster.agent.port}
-c.AgentLocator.agent_token_file = {str(cluster.secret_file)!r}
+c.AgentConnection.agent_namespace = "gpusnap"
+c.AgentConnection.agent_port = {cluster.agent.port}
+c.AgentConnection.agent_token_file = {str(cluster.secret_file)!r}
 c.KubeAPI.api_url = {cluster.kube.api_url!r}
 c.KubeAPI.token_file = {str(cluster.hub_token_file)!r}
 """

@@ -1373,9 +1373,9 @@ class Cluster:
 
         c = Config()
         c.AgentLocator.namespace = "jhub"
-        c.AgentLocator.agent_namespace = "gpusnap"
-        c.AgentLocator.agent_port = self.agent.port
-        c.AgentLocator.agent_token_file = str(self.secret_file)
+        c.AgentConnection.agent_namespace = "gpusnap"
+        c.AgentConnection.agent_port = self.agent.port
+        c.AgentConnection.agent_token_file = str(self.secret_file)
         c.KubeAPI.api_url = self.kube.api_url
         c.KubeAPI.token_file = str(self.hub_token_file)
         for key, value in extra.items():
