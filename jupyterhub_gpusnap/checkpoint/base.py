@@ -100,6 +100,21 @@ class RestoreTarget:
     container: str = ""
 
 
+@dataclass
+class Suspension:
+    """One suspension under way, handed from hook to hook of
+    :meth:`CheckpointBackend.checkpoint`. Backends subclass it for what their later
+    hooks need (the image's folder, the frozen pids, the agent's answer).
+
+    ``phase`` is the step under way (``preflight``, ``freeze``, ``dump``, ``verify``,
+    ``record``, ``end``): :meth:`CheckpointBackend.do_resume` reads it to know what to undo.
+    """
+
+    server: Server
+    started: float = field(default_factory=time.monotonic)
+    phase: str = "preflight"
+
+
 class CheckpointBackend(LoggingConfigurable):
     """Saves a running server to a verified checkpoint, and restores it.
 
@@ -149,6 +164,20 @@ class CheckpointBackend(LoggingConfigurable):
     async def checkpoint(self, server: Server) -> CheckpointInfo:
         """Checkpoint ``server`` (GPU memory, then the process tree), verify it, and return it.
 
+        The protocol, the same for every backend; each step is a hook:
+
+        1. :meth:`do_preflight`: every check, before anything changes (refuses with
+           :class:`CheckpointRefused`); run once per suspension.
+        2. :meth:`do_freeze`: GPU memory to host memory; the GPU is free from here. A
+           :class:`CheckpointRefused` here means the freeze was rolled back: nothing changed.
+        3. :meth:`do_dump`: the process tree to an image, the tree left frozen.
+        4. :meth:`do_verify`: the image complete, checksummed and durable.
+        5. :meth:`do_record`: the checkpoint recorded ``verified``.
+        6. :meth:`do_end`: only now the frozen processes end.
+
+        Any failure in steps 2-5 calls :meth:`do_resume` (the server goes on, its GPU memory
+        back, the image kept as ``failed``) and raises the error it returns.
+
         Parameters
         ----------
         server : Server
@@ -167,7 +196,63 @@ class CheckpointBackend(LoggingConfigurable):
         CheckpointError
             Any other failure; the server keeps running.
         """
+        s = await self.do_preflight(server)
+        try:
+            for phase, step in (
+                ("freeze", self.do_freeze),
+                ("dump", self.do_dump),
+                ("verify", self.do_verify),
+            ):
+                s.phase = phase
+                await step(s)
+            s.phase = "record"
+            info = await self.do_record(s)
+        except Exception as e:
+            if isinstance(e, CheckpointRefused) and s.phase == "freeze":
+                raise  # rolled back by the driver: nothing to resume
+            failure = await self.do_resume(s, e)
+            if failure is e:
+                raise
+            raise failure from e
+        s.phase = "end"
+        await self.do_end(s, info)
+        return info
+
+    # The hooks of checkpoint(). A backend that runs the whole suspension elsewhere (an
+    # agent) does it in do_dump and leaves the others as they are.
+    async def do_preflight(self, server: Server) -> Suspension:
+        """Check everything that can be checked before anything changes; the
+        :class:`Suspension` the other hooks get. Raises :class:`CheckpointRefused`."""
         raise NotImplementedError
+
+    async def do_freeze(self, s: Suspension) -> None:
+        """Move the server's GPU memory to host memory (the GPU is free from here)."""
+
+    async def do_dump(self, s: Suspension) -> None:
+        """Write the process tree's image, leaving the tree frozen."""
+
+    async def do_verify(self, s: Suspension) -> None:
+        """Make sure the image is complete, checksummed and durable; raise
+        :class:`CheckpointError` if it is not."""
+
+    async def do_record(self, s: Suspension) -> CheckpointInfo:
+        """Record the checkpoint as ``verified`` and return it."""
+        raise NotImplementedError
+
+    async def do_end(self, s: Suspension, info: CheckpointInfo) -> None:
+        """End the frozen server's processes (its image is safe) and tidy up."""
+
+    async def do_resume(self, s: Suspension, error: Exception) -> Exception:
+        """Undo a suspension that failed in ``s.phase``: the server goes on (its processes
+        continued, its GPU memory back), the image kept as ``failed`` for diagnosis.
+
+        Returns
+        -------
+        Exception
+            What :meth:`checkpoint` raises (``error`` itself, or a
+            :class:`CheckpointError` that says what was found and done).
+        """
+        return error
 
     async def writing(self, user: str, server_name: str) -> CheckpointInfo | None:
         """The checkpoint of ``user/server_name`` being written right now, if any (a stop

@@ -27,6 +27,7 @@ import asyncio
 import hashlib
 import json
 import time
+from dataclasses import dataclass, field
 
 from traitlets import Bool, Enum, Float, Instance, Integer, Unicode, default
 
@@ -43,6 +44,7 @@ from .base import (
     CheckpointRefused,
     Restored,
     RestoreTarget,
+    Suspension,
 )
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
@@ -52,6 +54,19 @@ ID_LABEL = "gpusnap.jupyter.org/id"
 
 def _hash(text: str, n: int = 16) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:n]
+
+
+@dataclass
+class KubeSuspension(Suspension):
+    """A suspension through a node agent: where the pod runs, what was asked, the answer."""
+
+    namespace: str = ""
+    pod: str = ""
+    node: str = ""
+    agent: str = ""
+    body: dict = field(default_factory=dict)
+    result: dict = field(default_factory=dict)
+    info: CheckpointInfo | None = None
 
 
 class KubernetesBackend(CheckpointBackend):
@@ -131,50 +146,57 @@ class KubernetesBackend(CheckpointBackend):
 
     async def check(self, server: Server) -> None:
         """Refuse (nothing changed) when the server's pod or the agent on its node cannot be found."""
-        namespace, pod = self.locator.pod_of(server)
-        try:
-            node = await self.locator.node_of(namespace, pod)
-            await self.locator.agent_url(node)
-        except AgentError as e:
-            raise CheckpointRefused(f"{server.key}: {e}") from e
+        await self.do_preflight(server)
 
-    async def checkpoint(self, server: Server) -> CheckpointInfo:
-        """Have the agent on the pod's node checkpoint, ship and verify; record the result.
-
-        Raises CheckpointError (CheckpointRefused when nothing was attempted); the pod
-        keeps running either way.
-        """
+    # -- checkpoint(): the agent on the pod's node freezes, dumps, ships and verifies in
+    # one call (do_dump); this side checks first and records the result.
+    async def do_preflight(self, server: Server) -> KubeSuspension:
+        """The server's pod, its node and the agent there, or refuse."""
         namespace, pod = self.locator.pod_of(server)
         try:
             node = await self.locator.node_of(namespace, pod)
             base = await self.locator.agent_url(node)
         except AgentError as e:
             raise CheckpointRefused(f"{server.key}: {e}") from e
-        body = {
-            "namespace": namespace,
-            "pod": pod,
+        return KubeSuspension(server, namespace=namespace, pod=pod, node=node, agent=base)
+
+    async def do_dump(self, s: KubeSuspension) -> None:
+        """The agent's checkpoint (GPU memory, kubelet checkpoint, shipped, verified);
+        a failure is the agent's to undo (it resumes the pod's GPU memory itself)."""
+        server = s.server
+        s.body = {
+            "namespace": s.namespace,
+            "pod": s.pod,
             "container": self.locator.container,
             "timeout": self.timeout,
             "target": self.target_for(server),
         }
-        self.log.info("%s: checkpointing pod %s/%s on node %s", server.key, namespace, pod, node)
+        self.log.info(
+            "%s: checkpointing pod %s/%s on node %s", server.key, s.namespace, s.pod, s.node
+        )
         try:
-            result = await self.locator.call(
-                base,
+            s.result = await self.locator.call(
+                s.agent,
                 "POST",
                 "/v1/checkpoint",
-                body,
+                s.body,
                 timeout=self.timeout + self.locator.agent_timeout,
             )
         except AgentError as e:
             raise CheckpointError(
                 f"{server.key}: checkpoint failed, the server keeps running: {e}"
             ) from e
-        if result.get("status") != "verified":
+
+    async def do_verify(self, s: KubeSuspension) -> None:
+        if s.result.get("status") != "verified":
             raise CheckpointError(
-                f"{server.key}: the agent returned an unverified checkpoint: {result}"
+                f"{s.server.key}: the agent returned an unverified checkpoint: {s.result}"
             )
-        info = CheckpointInfo(
+
+    async def do_record(self, s: KubeSuspension) -> CheckpointInfo:
+        """A ConfigMap per checkpoint (:meth:`_record`)."""
+        server, result, target = s.server, s.result, s.body["target"]
+        s.info = CheckpointInfo(
             id=result["id"],
             user=server.user,
             server_name=server.name,
@@ -182,28 +204,34 @@ class KubernetesBackend(CheckpointBackend):
             status="verified",
             image_bytes=int(result.get("image_bytes") or 0),
             gpu_bytes=int(result.get("gpu_bytes") or 0),
-            location=body["target"].get("repository") or body["target"].get("path", ""),
+            location=target.get("repository") or target.get("path", ""),
             extra={
                 "digest": result.get("digest", ""),
-                "node": result.get("node", node),
-                "namespace": namespace,
-                "pod": pod,
+                "node": result.get("node", s.node),
+                "namespace": s.namespace,
+                "pod": s.pod,
                 "container": self.locator.container,
                 "target": self.target,
             },
         )
-        try:
-            await self._record(info)
-        except AgentError as e:
-            await self._unpark(base, namespace, pod)
-            raise CheckpointError(
-                f"{server.key}: checkpoint {info.id} is verified but could not be recorded ({e}); "
-                f"the server keeps running. Fix: {e.fix}"
-            ) from e
+        await self._record(s.info)
+        return s.info
+
+    async def do_end(self, s: KubeSuspension, info: CheckpointInfo) -> None:
+        # the pod's processes end when the Hub stops the server
         self.log.info(
-            "%s: checkpoint %s verified (%d bytes)", server.key, info.id, info.image_bytes
+            "%s: checkpoint %s verified (%d bytes)", s.server.key, info.id, info.image_bytes
         )
-        return info
+
+    async def do_resume(self, s: KubeSuspension, error: Exception) -> Exception:
+        """A verified checkpoint that could not be recorded: the pod's GPU memory back."""
+        if s.phase == "record" and isinstance(error, AgentError) and s.info is not None:
+            await self._unpark(s.agent, s.namespace, s.pod)
+            return CheckpointError(
+                f"{s.server.key}: checkpoint {s.info.id} is verified but could not be recorded "
+                f"({error}); the server keeps running. Fix: {error.fix}"
+            )
+        return error
 
     async def _unpark(self, base: str, namespace: str, pod: str) -> None:
         """Bring GPU memory back after a checkpoint that will not be used."""
@@ -268,7 +296,10 @@ class KubernetesBackend(CheckpointBackend):
             return reading
         nodes = sorted(urls)
         answers = await asyncio.gather(
-            *(self.locator.call(urls[n], "GET", "/v1/gpus", timeout=self.gpu_memory_timeout) for n in nodes),
+            *(
+                self.locator.call(urls[n], "GET", "/v1/gpus", timeout=self.gpu_memory_timeout)
+                for n in nodes
+            ),
             return_exceptions=True,
         )
         for node, answer in zip(nodes, answers, strict=True):

@@ -48,6 +48,7 @@ import stat
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import quote, unquote
@@ -68,6 +69,7 @@ from .base import (
     CheckpointRefused,
     Restored,
     RestoreTarget,
+    Suspension,
 )
 from .chunks import PAGE, STORE, ChunkStore, Follower
 from .keys import Key, KeyFileError, load_keys
@@ -166,6 +168,17 @@ def port_holder(ip: str, port: int) -> str | None:
             if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
                 return f"pid {c.pid} ({psutil.Process(c.pid).name()})"
     return "another process"
+
+
+@dataclass
+class LocalSuspension(Suspension):
+    """A local suspension: the checkpoint's folder and manifest, the tree, what was frozen."""
+
+    folder: Path = Path()
+    manifest: Manifest | None = None
+    pids: list[int] = field(default_factory=list)
+    cuda_pids: list[int] = field(default_factory=list)
+    follower: Follower | None = None
 
 
 class LocalBackend(CheckpointBackend):
@@ -606,6 +619,9 @@ class LocalBackend(CheckpointBackend):
                 "restored_at": m.restored_at,
                 "restore_s": m.extra.get("restore_s"),
                 "restore_phases": m.extra.get("restore_phases"),
+                # a lazy restore handed out: memory (and GPU memory) still coming back
+                "lazy_pending": bool(m.extra.get("lazy_pending")),
+                "gpu_pending": bool(m.extra.get("gpu_pending")),
                 "seal_seconds": getattr(m, "seal_seconds", None),
                 "storage": m.storage,
                 "stored_bytes": m.stored_bytes,
@@ -835,7 +851,7 @@ class LocalBackend(CheckpointBackend):
         async with self._lock(server.key):
             self._active.add(server.key)
             try:
-                return await self._checkpoint(server)
+                return await super().checkpoint(server)
             finally:
                 self._active.discard(server.key)
                 self._reserved.pop(server.key, None)  # the dump has ended: its space is real
@@ -848,8 +864,11 @@ class LocalBackend(CheckpointBackend):
         if error is not None and not isinstance(error, CheckpointError):
             self.log.error("%s: checkpoint crashed: %r", key, error)
 
-    async def _checkpoint(self, server: Server) -> CheckpointInfo:
-        t0 = time.monotonic()
+    async def do_preflight(self, server: Server) -> LocalSuspension:
+        """The checks (:meth:`_preflight`, its disk estimate held for this suspension),
+        then the checkpoint's folder and its manifest, ``writing`` (what :meth:`recover`
+        finds after a crash)."""
+        t0 = time.monotonic()  # time_to_gpu_free_s counts from here
         version, pids, _, inv = await self._preflight(server, reserve=True)
         pid = server.pid
         created = time.time()
@@ -879,7 +898,6 @@ class LocalBackend(CheckpointBackend):
         m.extra["started"] = boot_clock()  # processes older than this are the suspended server
         m.extra["mount_namespace"] = sandbox.own_mount_namespace(pid)
         m.extra["gpu_devices"] = list(inv.get("gpu_devices", []))
-        cuda = self.cuda()
         # Not fsync'ed: it must outlive a crash of the service (recover() then resumes the
         # tree); a crash of the machine loses the suspended GPU state anyway.
         m.save(folder, durable=False)
@@ -890,81 +908,98 @@ class LocalBackend(CheckpointBackend):
             pid,
             len(pids),
         )
+        return LocalSuspension(server, started=t0, folder=folder, manifest=m, pids=pids)
 
-        # 1. GPU memory to host memory: the GPU is free from here on.
-        cuda_pids: list[int] = []
+    async def do_freeze(self, s: LocalSuspension) -> None:
+        """GPU memory to host memory (the CUDA checkpoint API): the GPU is free from here.
+        A busy GPU refuses (the driver rolled back): the folder goes, nothing changed."""
+        cuda = self.cuda()
         if cuda is not None:
             try:
-                cuda_pids = await cuda.suspend(pids, lock_timeout_ms=self.lock_timeout_ms)
+                s.cuda_pids = await cuda.suspend(s.pids, lock_timeout_ms=self.lock_timeout_ms)
             except CheckpointRefused as e:
                 # Nothing changed (the driver rolled back): not a failed image, just not now.
-                shutil.rmtree(folder, ignore_errors=True)
-                self.log.info("%s: checkpoint refused: %s", server.key, e)
+                shutil.rmtree(s.folder, ignore_errors=True)
+                self.log.info("%s: checkpoint refused: %s", s.server.key, e)
                 raise
-            except Exception as e:
-                await self._fail(folder, m, server.key, pids, [], f"GPU checkpoint failed: {e}")
-                raise CheckpointError(
-                    f"{server.key}: GPU checkpoint failed, server left running: {e}"
-                ) from e
-        m.cuda_pids = cuda_pids
-        m.time_to_gpu_free_s = round(time.monotonic() - t0, 3)
+        s.manifest.cuda_pids = s.cuda_pids
+        s.manifest.time_to_gpu_free_s = round(time.monotonic() - s.started, 3)
+
+    async def do_dump(self, s: LocalSuspension) -> None:
+        """``criu dump --leave-stopped`` (packed into chunks while CRIU writes, with
+        ``storage = 'chunks'``)."""
+        m, folder, pid = s.manifest, s.folder, s.server.pid
+        cuda = self.cuda()
         # What the GPU step does not need, read after it rather than before.
         m.ip, m.port = listen_address(pid)
         m.api_token = self._seal_token(environ_of(pid, "JUPYTERHUB_API_TOKEN"))
         if cuda is not None and m.gpu_count and not m.driver_version:
             m.driver_version = cuda.driver_version() or ""
         m.save(folder)
+        t1 = time.monotonic()
+        if self.storage == "chunks":  # pack while CRIU writes (chunks.Follower)
+            s.follower = await asyncio.to_thread(self._chunk_store_or_fail().follow, folder)
+        early = self.writeback_during_dump and self.storage == "files"
+        with Writeback(folder) if early else contextlib.nullcontext():
+            await criu.dump(
+                pid,
+                folder,
+                criu=self.criu_path,
+                tcp=self.tcp_mode,
+                leave_stopped=True,
+                extra=[*sandbox.dump_args(pid), *self.dump_extra_args],
+                timeout=self.dump_timeout,
+            )
+        m.dump_seconds = round(time.monotonic() - t1, 3)
 
-        # 2. Dump the tree, leaving it frozen; 3. verify: complete, checksummed, durable.
-        follower = None
-        try:
-            t1 = time.monotonic()
-            if self.storage == "chunks":  # pack while CRIU writes (chunks.Follower)
-                follower = await asyncio.to_thread(self._chunk_store_or_fail().follow, folder)
-            early = self.writeback_during_dump and self.storage == "files"
-            with Writeback(folder) if early else contextlib.nullcontext():
-                await criu.dump(
-                    pid,
-                    folder,
-                    criu=self.criu_path,
-                    tcp=self.tcp_mode,
-                    leave_stopped=True,
-                    extra=[*sandbox.dump_args(pid), *self.dump_extra_args],
-                    timeout=self.dump_timeout,
-                )
-            m.dump_seconds = round(time.monotonic() - t1, 3)
-            await self._verify_dump(folder, m, follower)
-            if not all(is_frozen(p) or not is_alive(p) for p in pids[:1]):
-                raise CheckpointError(f"process {pid} is no longer frozen after the dump")
-        except Exception as e:
-            if follower is not None:
-                await asyncio.to_thread(follower.close)
-            why = await self._fail(folder, m, server.key, pids, cuda_pids, str(e))
-            if isinstance(e, CheckpointError):
-                raise CheckpointError(f"{server.key}: {why}; the server keeps running") from e
-            raise CheckpointError(
-                f"{server.key}: checkpoint failed ({type(e).__name__}: {why}); "
-                "the server keeps running"
-            ) from e
+    async def do_verify(self, s: LocalSuspension) -> None:
+        """Complete, checksummed, durable (:meth:`_verify_dump`), and the tree still frozen."""
+        await self._verify_dump(s.folder, s.manifest, s.follower)
+        if not all(is_frozen(p) or not is_alive(p) for p in s.pids[:1]):
+            raise CheckpointError(f"process {s.server.pid} is no longer frozen after the dump")
 
+    async def do_record(self, s: LocalSuspension) -> CheckpointInfo:
+        m = s.manifest
         m.status = "verified"
         m.verified_at = time.time()
-        m.save(folder)
-        # 4. Only now: the image is safe, the frozen tree can go.
-        await self.kill_tree(pids)
+        m.save(s.folder)
+        return self.info(s.folder, m)
+
+    async def do_end(self, s: LocalSuspension, info: CheckpointInfo) -> None:
+        """Only now, the image safe: the frozen tree is killed; a chunk checkpoint's raw
+        files go, a lazy-mode one gets its page checksums in the background."""
+        m, folder = s.manifest, s.folder
+        await self.kill_tree(s.pids)
         if m.storage == "chunks":
             _drop_image_files(folder)
         elif self.restore_mode == "lazy":
             # nobody waits for them: a restore that comes first is eager
             cid = self._id(folder)
-            self.page_sums[cid] = asyncio.ensure_future(self._write_page_sums(folder, m, server.key))
+            self.page_sums[cid] = asyncio.ensure_future(
+                self._write_page_sums(folder, m, s.server.key)
+            )
         self.log.info(
             "%s: checkpoint %s verified (%.1f MiB, GPU free after %.2fs, dump %.2fs, "
             "checksums and fsync %.2fs, %s); processes ended",
-            server.key, self._id(folder), m.image_bytes / 2**20, m.time_to_gpu_free_s,
+            s.server.key, self._id(folder), m.image_bytes / 2**20, m.time_to_gpu_free_s,
             m.dump_seconds, m.seal_seconds, m.verification,
         )  # fmt: skip
-        return self.info(folder, m)
+
+    async def do_resume(self, s: LocalSuspension, error: Exception) -> Exception:
+        """SIGCONT, GPU memory back, the image kept ``failed`` (:meth:`_fail`); the error
+        says why and that the server keeps running."""
+        key = s.server.key
+        if s.phase == "freeze":
+            await self._fail(s.folder, s.manifest, key, s.pids, [], f"GPU checkpoint failed: {error}")
+            return CheckpointError(f"{key}: GPU checkpoint failed, server left running: {error}")
+        if s.follower is not None:
+            await asyncio.to_thread(s.follower.close)
+        why = await self._fail(s.folder, s.manifest, key, s.pids, s.cuda_pids, str(error))
+        if isinstance(error, CheckpointError):
+            return CheckpointError(f"{key}: {why}; the server keeps running")
+        return CheckpointError(
+            f"{key}: checkpoint failed ({type(error).__name__}: {why}); the server keeps running"
+        )
 
     async def _write_page_sums(self, folder: Path, m: Manifest, key: str) -> bool:
         """Write the page checksums a lazy restore of a verified ``files`` checkpoint needs
