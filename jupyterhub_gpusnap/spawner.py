@@ -13,7 +13,9 @@ checkpoint's root-only manifest, beside the image that holds it anyway.
 On the next start the checkpoint is restored (CRIU, then GPU memory), the server is
 waited for, and only then its old API token is taken back. When a restore fails the
 checkpoint is marked ``failed`` (kept for diagnosis), the old token is revoked, a fresh
-server starts, and the progress page and the log say why.
+server starts, and the progress page and the log say why. That flow is
+:class:`~jupyterhub_gpusnap.spawner_restore.RestoreMixin`'s, shared with the Kubernetes
+spawner; this module supplies its local hooks.
 
 Each server runs in the sandbox of :mod:`jupyterhub_gpusnap.sandbox`: its own PID and
 mount namespace with its own ``/proc`` (which both CUDA and CRIU need), a tiny init that
@@ -31,38 +33,40 @@ import shlex
 import shutil
 import sys
 import time
+from dataclasses import fields
 from datetime import datetime, timezone
 from subprocess import Popen
 
 import psutil
 from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner
 from jupyterhub.utils import random_port
-from tornado.httpclient import AsyncHTTPClient, HTTPRequest
-from traitlets import Bool, Dict, Float, Instance, Type, Unicode, default
+from traitlets import Bool, Float, Instance, Type, Unicode, default
 
 from . import sandbox
-from .checkpoint.base import CheckpointBackend, CheckpointError, CheckpointInfo, CheckpointRefused
+from .checkpoint.base import CheckpointBackend, CheckpointInfo, CheckpointRefused
 from .checkpoint.local import LocalBackend, encode_name, is_alive
-
-STATE_KEY = "gpusnap"
+from .spawner_restore import RestoreMixin, human_bytes
 
 
 async def super_maybe(result):
     """Await what a base class returned if it is awaitable (Spawner.delete_forever may be either)."""
     if hasattr(result, "__await__"):
-        await result  # the checkpoint a suspended server restores from
+        await result
 
 
-def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return f"{n} B"
+def _info(checkpoint: dict) -> CheckpointInfo:
+    """The :class:`CheckpointInfo` of a checkpoint dict (``CheckpointInfo.as_dict()``)."""
+    names = {f.name for f in fields(CheckpointInfo)}
+    return CheckpointInfo(**{k: v for k, v in checkpoint.items() if k in names})
 
 
-class SnapSpawnerMixin(LocalProcessSpawner):
-    """Restore-on-start for local process spawners (mix in before the spawner class)."""
+class SnapSpawnerMixin(RestoreMixin):
+    """Restore-on-start for local process spawners: the local hooks of :class:`RestoreMixin`
+    (mix in before LocalProcessSpawner or a subclass of it).
+
+    :attr:`gpusnap_state` is the pending checkpoint's record (id, ip, port, created, sizes,
+    token_id), read by the Hub's pages (templates/hub/) while the server is suspended.
+    """
 
     backend_class = Type(
         LocalBackend,
@@ -78,12 +82,13 @@ class SnapSpawnerMixin(LocalProcessSpawner):
         fresh servers and leaves checkpoints on disk (retention removes them).""",
     ).tag(config=True)
 
-    restore_timeout = Float(
-        300.0,
-        help="""Seconds a restore (CRIU, GPU memory, the server answering) may take before it
-        counts as failed and a fresh server is started instead. Large GPU images need more:
-        roughly 1 s per GiB here. Keep Spawner.start_timeout larger than this.""",
-    ).tag(config=True)
+    @default("restore_timeout")
+    def _default_restore_timeout(self) -> float:
+        return 300.0
+
+    @default("server_poll_interval")
+    def _default_server_poll_interval(self) -> float:
+        return 0.1
 
     suspend_wait_timeout = Float(
         600.0,
@@ -100,20 +105,24 @@ class SnapSpawnerMixin(LocalProcessSpawner):
         {checkpoint_dir}, {user} and {server} (path-safe, '_default' for '') are expanded.""",
     ).tag(config=True)
 
-    snapshot = Dict(
-        help="The checkpoint this server will restore from (id, ip, port, created, sizes)."
-    )
+    progress_texts = {
+        "when_format": "%H:%M UTC on %b %d",
+        "restoring": ("restoring {size} snapshot from {when}…", 20),
+        "waiting": ("waiting for the server to answer…", 70),
+        "restored": ("server is back", 90),
+        "failed": (
+            "could not restore your snapshot ({reason}); it is kept for your admin. "
+            "Starting a fresh server: unsaved kernel state is not in it.",
+            50,
+        ),
+    }
 
-    @default("server_token_scopes")
-    def _default_server_token_scopes(self):
-        # JupyterHub's default plus access to the service: the server's extension reports its
-        # kernels and terminals to the service with this token, and the Lab panel asks the
-        # service with it (the Hub grants it only where users hold that access too:
-        # hubconfig.user_role). A service named other than 'gpusnap': set
-        # c.Spawner.server_token_scopes = hubconfig.server_token_scopes("<name>").
-        from .hubconfig import server_token_scopes
+    #: the backend's own restore_timeout (and its 5 s more here), then the wait for the
+    #: server: their errors say more than the flow's cut-off
+    restore_grace = 15.0
 
-        return server_token_scopes("gpusnap")
+    #: the token is in the checkpoint's manifest: a checkpoint without one is not restored
+    resume_token_required = True
 
     backend = Instance(CheckpointBackend)
 
@@ -123,19 +132,13 @@ class SnapSpawnerMixin(LocalProcessSpawner):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self._events: list[dict] = []
-        self._start_done = False
+        self._restored_pid = 0  # a restored tree not handed out yet
+        self._restored_at: tuple[str, int] = ("", 0)
 
-    # ------------------------------------------------------------------ naming
     @property
-    def server_key(self) -> str:
-        return f"{self.user.name}/{self.name}"
-
-    def _emit(self, message: str, progress: int | None = None) -> None:
-        event: dict = {"message": message}
-        if progress is not None:
-            event["progress"] = progress
-        self._events.append(event)
+    def pending_checkpoint(self) -> dict | None:
+        """The record of the checkpoint the next start restores, or None."""
+        return self.gpusnap_state if self.gpusnap_state.get("id") else None
 
     async def delete_forever(self) -> None:
         """The user or named server is deleted: delete its checkpoints too (they hold its memory)."""
@@ -145,35 +148,23 @@ class SnapSpawnerMixin(LocalProcessSpawner):
             if info.server_name == self.name:
                 await self.backend.delete(info.id)
                 deleted += 1
-        self.snapshot = {}
+        self.gpusnap_state = {}
         if deleted:
             self.log.info("%s: deleted with its %d checkpoint(s)", self.server_key, deleted)
 
     # ------------------------------------------------------------------ state
-    def load_state(self, state: dict) -> None:
-        super().load_state(state)
-        if state.get(STATE_KEY):
-            self.snapshot = dict(state[STATE_KEY])
-
     def get_state(self) -> dict:
         state = super().get_state()
-        if self.snapshot:
-            state[STATE_KEY] = dict(self.snapshot)
         if self.pid and self.port:
             # where the service reads /api/kernels without going through the proxy, which would
             # count its polls as activity (JupyterSignal.direct)
             state["gpusnap_url"] = f"http://{self.ip or '127.0.0.1'}:{self.port}"
         return state
 
-    def clear_state(self) -> None:
-        # self.snapshot survives on purpose: the Hub clears state after every stop and
-        # before every start, and the restore needs it then.
-        super().clear_state()
-
     @property
     def suspended_at(self) -> str:
         """When the pending checkpoint was taken (UTC, for pages), or ''."""
-        created = self.snapshot.get("created")
+        created = self.gpusnap_state.get("created")
         if not created:
             return ""
         return datetime.fromtimestamp(created, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -206,7 +197,7 @@ class SnapSpawnerMixin(LocalProcessSpawner):
         started_ts = started.replace(tzinfo=timezone.utc).timestamp() if started else None
         if info.extra.get("pid") != pid and not (started_ts and info.created >= started_ts):
             return False
-        self.snapshot = {
+        self.gpusnap_state = {
             "id": info.id,
             "ip": info.extra.get("ip") or self.ip or "127.0.0.1",
             "port": info.extra.get("port") or self.port,
@@ -218,10 +209,10 @@ class SnapSpawnerMixin(LocalProcessSpawner):
             "image_bytes": info.image_bytes,
             "gpu_bytes": info.gpu_bytes,
         }
-        token_id = self._token_id(token or self.api_token)
+        token_id = self.token_id(token or self.api_token)
         if token_id is not None:
             # revoked by id if the checkpoint (which holds the token itself) is lost
-            self.snapshot["token_id"] = token_id
+            self.gpusnap_state["token_id"] = token_id
         self.will_resume = True
         self.log.info(
             "%s: suspended (checkpoint %s); it will be restored on the next start",
@@ -234,20 +225,17 @@ class SnapSpawnerMixin(LocalProcessSpawner):
         await self._wait_for_suspension("stop")
         if await self.poll() is not None:
             return  # checkpointed (will_resume set by poll) or already gone
-        self.snapshot = {}
+        self.gpusnap_state = {}
         await super().stop(now=now)
 
     async def _wait_for_suspension(self, what: str) -> None:
-        writing = getattr(self.backend, "writing", None)
-        if writing is None:
-            return
-        pending = await writing(self.user.name, self.name)
+        pending = await self.backend.writing(self.user.name, self.name)
         if pending is None:
             return
         self.log.info(
             "%s: %s waits for the suspension being written (%s)", self.server_key, what, pending.id
         )
-        self._emit("waiting for the snapshot being taken of this server to finish…")
+        self.emit("waiting for the snapshot being taken of this server to finish…")
         left = await self.backend.wait_settled(self.user.name, self.name, self.suspend_wait_timeout)
         if left is not None:
             # Never go on: a stop would kill the frozen processes under CRIU, a start would
@@ -261,53 +249,37 @@ class SnapSpawnerMixin(LocalProcessSpawner):
     # ------------------------------------------------------------------ start
     async def start(self):
         """Restore the server's checkpoint if there is one, else start a fresh server."""
-        self._events = []
-        self._start_done = False
         self.will_resume = False
-        try:
-            if self.restore_on_start:
-                await self._wait_for_suspension("start")
-                info = await self._pending_checkpoint()
-                if info is not None:
-                    try:
-                        return await self._restore(info)
-                    except CheckpointRefused as e:
-                        # not now (its port still taken…): the spawn fails, the snapshot
-                        # stays verified and the next start tries again
-                        self.log.warning("%s: restore not possible yet: %s", self.server_key, e)
-                        raise
-                    except Exception as e:
-                        await self._restore_failed(info, e)
-            self.snapshot = {}
-            return await self._start_fresh()
-        finally:
-            self._start_done = True
+        return await self.restore_or_start_fresh()
 
-    async def _pending_checkpoint(self) -> CheckpointInfo | None:
+    async def checkpoint_to_restore(self) -> dict | None:
+        if not self.restore_on_start:
+            return None
+        await self._wait_for_suspension("start")
         info = await self.backend.latest(self.user.name, self.name)
         if info is None:
-            if self.snapshot:
+            if self.gpusnap_state:
                 self._snapshot_gone()
-            self.snapshot = {}
+            self.gpusnap_state = {}
             return None
-        if self.snapshot.get("id") != info.id:
+        if self.gpusnap_state.get("id") != info.id:
             self.log.warning(
                 "%s: checkpoint %s was not recorded by this server's stop (its API token was not "
                 "kept); starting a fresh server and leaving it on disk",
                 self.server_key, info.id,
             )  # fmt: skip
             return None
-        return info
+        return info.as_dict()
 
     def _snapshot_gone(self) -> None:
         """The checkpoint this server's stop recorded can no longer be read (its manifest was
         deleted, or its folder): say so, and leave whatever is left of it for the admin."""
-        cid = self.snapshot.get("id", "")
+        cid = self.gpusnap_state.get("id", "")
         where = ""
-        folder = getattr(self.backend, "folder", None)
-        if folder is not None and cid:
+        if cid:
             try:
-                where = f" in {folder(cid)}"
+                place = self.backend.location(cid)
+                where = f" in {place}" if place else ""
             except Exception:
                 where = ""
         self.log.warning(
@@ -316,185 +288,103 @@ class SnapSpawnerMixin(LocalProcessSpawner):
             self.server_key, cid, where,
         )  # fmt: skip
         # the suspended server's token is only in the lost manifest: revoke it by id
-        self._revoke_id(self.snapshot.get("token_id"))
-        when = self.snapshot.get("created_utc") or "your last suspension"
-        self._emit(
+        self.revoke_token_id(self.gpusnap_state.get("token_id"))
+        when = self.gpusnap_state.get("created_utc") or "your last suspension"
+        self.emit(
             f"your snapshot from {when} could not be found; starting a fresh server "
             "(your admin may still recover it by hand)",
             10,
         )
 
-    async def _restore(self, info: CheckpointInfo) -> tuple[str, int]:
-        t0 = time.monotonic()
-        when = datetime.fromtimestamp(info.created, timezone.utc).strftime("%H:%M UTC on %b %d")
-        size = human_bytes(info.image_bytes)
-        token = await self._resume_token(info)
-        if not token:
-            raise CheckpointError(f"checkpoint {info.id} records no Hub API token to resume with")
-        self.log.info("%s: restoring checkpoint %s (%s)", self.server_key, info.id, size)
-        self._emit(f"restoring {size} snapshot from {when}…", 20)
+    async def resume_token(self, checkpoint: dict) -> str:
+        """The API token the checkpointed server holds (kept in the backend's manifest):
+        a restore without one fails."""
+        try:
+            token = await self.backend.resume_token(checkpoint["id"])
+        except CheckpointRefused:
+            raise  # its key is missing: not now, and not lost (start() fails, the snapshot stays)
+        except Exception as e:
+            self.log.warning(
+                "%s: cannot read the token of %s: %s", self.server_key, checkpoint["id"], e
+            )
+            token = ""
+        return token
+
+    async def restore_checkpoint(self, checkpoint: dict) -> str:
+        info = _info(checkpoint)
         if info.gpu_bytes:
-            self._emit(f"restoring GPU memory ({human_bytes(info.gpu_bytes)})…", 40)
+            self.emit(f"restoring GPU memory ({human_bytes(info.gpu_bytes)})…", 40)
         restore = self.backend.restore(info, timeout=self.restore_timeout)
         restored = await asyncio.wait_for(restore, self.restore_timeout + 5)
-        pid, ip, port = restored.pid, restored.ip, restored.port
         self.proc = None
-        self.pid = pid
-        ip = ip if ip not in ("", "0.0.0.0", "::") else "127.0.0.1"
-        self._emit("waiting for the server to answer…", 70)
-        try:
-            await self._wait_answering(
-                ip, port, max(5.0, self.restore_timeout - (time.monotonic() - t0))
-            )
-        except Exception:
-            await self._kill_restored(pid)
-            raise
-        # Only now that it runs: take its old token back (the Hub drops the new one).
-        self.api_token = token
-        self.ip, self.port = ip, port
-        self.snapshot = {}
+        self.pid = self._restored_pid = restored.pid
+        ip = restored.ip if restored.ip not in ("", "0.0.0.0", "::") else "127.0.0.1"
+        self._restored_at = (ip, restored.port)
         self.log.info(
-            "%s: restored from %s as pid %s on %s:%s in %.2fs",
-            self.server_key, info.id, pid, ip, port, time.monotonic() - t0,
+            "%s: checkpoint %s restored as pid %s on %s:%s",
+            self.server_key, info.id, restored.pid, ip, restored.port,
         )  # fmt: skip
-        self._emit("server is back", 90)
-        return ip, port
-
-    async def _wait_answering(self, ip: str, port: int, timeout: float) -> None:
         host = f"[{ip}]" if ":" in ip else ip
-        base = self.server.base_url if self.server is not None else "/"
-        url = f"http://{host}:{port}{base.rstrip('/')}/api"
-        client = AsyncHTTPClient()
-        deadline = time.monotonic() + timeout
-        last = ""
-        while time.monotonic() < deadline:
-            if not is_alive(self.pid):
-                raise CheckpointError(f"restored server (pid {self.pid}) exited")
-            try:
-                resp = await client.fetch(HTTPRequest(url, request_timeout=5), raise_error=False)
-                if resp.code < 500 and resp.code != 599:
-                    return
-                last = f"HTTP {resp.code}"
-            except OSError as e:
-                last = str(e)
-            await asyncio.sleep(0.1)
-        raise CheckpointError(
-            f"restored server did not answer at {url} within {timeout:.0f}s ({last})"
-        )
+        return f"http://{host}:{restored.port}"
 
-    async def _kill_restored(self, pid: int) -> None:
-        kill = getattr(self.backend, "kill_tree", None)
-        if kill is not None:
-            try:
-                pids = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
-            except psutil.Error:
-                pids = [pid]
-            await kill(pids)
-        self.pid = 0
+    def restore_exited(self) -> str:
+        if not is_alive(self.pid):
+            return f"restored server (pid {self.pid}) exited"
+        return ""
 
-    async def _restore_failed(self, info: CheckpointInfo, error: Exception) -> None:
-        """Keep the image (failed), revoke the token it holds, tell the user, go on fresh."""
-        reason = str(error).splitlines()[0] if str(error) else type(error).__name__
+    def restored(self, checkpoint: dict, url: str) -> None:
+        self.ip, self.port = self._restored_at
+        self._restored_pid = 0
+        self.gpusnap_state = {}
+
+    async def restore_failure_reason(self, checkpoint: dict, error: BaseException) -> str:
+        reason = (await super().restore_failure_reason(checkpoint, error)).splitlines()[0]
         try:  # the backend may know better (a lazy restore's damaged page killed the tree)
-            now = await self.backend.get(info.id)
+            now = await self.backend.get(checkpoint["id"])
         except Exception:
             now = None
         if now is not None and now.status == "failed" and now.error:
             reason = now.error.splitlines()[0]
-        self.log.error(
-            "%s: restore of checkpoint %s failed, starting a fresh server: %s",
-            self.server_key, info.id, error,
-        )  # fmt: skip
-        mark = getattr(self.backend, "mark", None)
-        if mark is not None:
+        return reason
+
+    async def discard_restore(self, checkpoint: dict, error: BaseException, reason: str) -> None:
+        """End the restored tree if it runs, mark the checkpoint failed (its image is kept)."""
+        pid, self._restored_pid = self._restored_pid, 0
+        if pid:  # restored, but it did not answer
             try:
-                await mark(info.id, "failed", f"restore failed: {error}")
-            except Exception as e:
-                self.log.error(
-                    "%s: cannot mark checkpoint %s failed: %s", self.server_key, info.id, e
-                )
+                pids = [pid] + [c.pid for c in psutil.Process(pid).children(recursive=True)]
+            except psutil.Error:
+                pids = [pid]
+            await self.backend.kill_tree(pids)
         try:
-            token = await self._resume_token(info)
-        except CheckpointRefused:
-            token = ""  # sealed with a key that is gone: nothing to revoke it by
-        self._revoke(token)
-        self.snapshot = {}
+            await self.backend.mark(
+                checkpoint["id"], "failed", f"restore failed: {str(error) or reason}"
+            )
+        except Exception as e:
+            self.log.error(
+                "%s: cannot mark checkpoint %s failed: %s", self.server_key, checkpoint["id"], e
+            )
+        self.gpusnap_state = {}
         self.proc = None
         self.pid = 0
-        self._emit(
-            f"could not restore your snapshot ({reason}); it is kept for your admin. "
-            "Starting a fresh server: unsaved kernel state is not in it.",
-            50,
-        )
 
-    async def _resume_token(self, info: CheckpointInfo) -> str:
-        """The API token the checkpointed server holds (kept in the backend's manifest)."""
-        get = getattr(self.backend, "resume_token", None)
-        try:
-            return (await get(info.id)) if get else ""
-        except CheckpointRefused:
-            raise  # its key is missing: not now, and not lost (start() fails, the snapshot stays)
-        except Exception as e:
-            self.log.warning("%s: cannot read the token of %s: %s", self.server_key, info.id, e)
-            return ""
-
-    def _token_id(self, token: str) -> int | None:
-        """The Hub database id of an API token (None if unknown)."""
-        if not token or getattr(self, "user", None) is None:
-            return None
-        try:
-            from jupyterhub import orm
-
-            found = orm.APIToken.find(self.user.db, token)
-            return found.id if found is not None else None
-        except Exception:
-            return None
-
-    def _revoke_id(self, token_id: int | None) -> None:
-        """Revoke the API token with database id ``token_id`` (not the running server's)."""
-        if token_id is None or token_id == self._token_id(self.api_token):
-            return
-        try:
-            from jupyterhub import orm
-
-            db = self.user.db
-            found = db.get(orm.APIToken, token_id)
-            if found is not None:
-                db.delete(found)
-                db.commit()
-                self.log.info("%s: revoked the lost snapshot's API token", self.server_key)
-        except Exception as e:
-            self.log.warning("%s: could not revoke the lost snapshot's token: %s", self.server_key, e)
-
-    def _revoke(self, token: str) -> None:
-        if not token or token == self.api_token:
-            return
-        try:
-            from jupyterhub import orm
-
-            db = self.user.db
-            found = orm.APIToken.find(db, token)
-            if found is not None:
-                db.delete(found)
-                db.commit()
-        except Exception as e:
-            self.log.warning(
-                "%s: could not revoke the suspended server's token: %s", self.server_key, e
-            )
+    async def start_fresh(self):
+        self.gpusnap_state = {}
+        return await self._start_fresh()
 
     # ------------------------------------------------------------------ fresh start
     def _reserved_ports(self) -> set[int]:
-        ports = getattr(self.backend, "reserved_ports", None)
         try:
-            return set(ports()) if ports else set()
+            return set(self.backend.reserved_ports())
         except Exception as e:
             self.log.warning("cannot read reserved ports: %s", e)
             return set()
 
     def server_log_path(self) -> str:
-        root = getattr(self.backend, "checkpoint_dir", "/var/log")
         return self.server_log_template.format(
-            checkpoint_dir=root, user=encode_name(self.user.name), server=encode_name(self.name)
+            checkpoint_dir=self.backend.log_root,
+            user=encode_name(self.user.name),
+            server=encode_name(self.name),
         )
 
     def sandbox_user(self) -> str | None:
@@ -535,13 +425,9 @@ class SnapSpawnerMixin(LocalProcessSpawner):
         env = self.get_env()
         cmd = self.server_command(env)
         log_path = self.server_log_path()
-        # the backend's own way when it has one: missing parts 0700 inside checkpoint_dir,
-        # where a plain makedirs would leave <checkpoint_dir> and <user> open to others
-        make = getattr(self.backend, "make_private_dirs", None)
-        if make is not None:
-            make(os.path.dirname(log_path))
-        else:
-            os.makedirs(os.path.dirname(log_path), mode=0o700, exist_ok=True)
+        # the backend's own way: missing parts 0700 inside checkpoint_dir, where a plain
+        # makedirs would leave <checkpoint_dir> and <user> open to others
+        self.backend.make_private_dirs(os.path.dirname(log_path))
         full = sandbox.command(cmd, log_path, user=self.sandbox_user())
         self.log.info("%s: spawning %s", self.server_key, " ".join(shlex.quote(s) for s in full))
         popen_kwargs = dict(preexec_fn=self.make_preexec_fn(self.user.name), start_new_session=True)
@@ -569,18 +455,6 @@ class SnapSpawnerMixin(LocalProcessSpawner):
                 )
             await asyncio.sleep(0.01)
         raise RuntimeError(f"{self.server_key}: no server sandbox after {timeout}s")
-
-    # ------------------------------------------------------------------ progress
-    async def progress(self):
-        """Progress events for the spawn page ("restoring 1.2 GiB snapshot from …")."""
-        i = 0
-        while True:
-            while i < len(self._events):
-                yield self._events[i]
-                i += 1
-            if self._start_done:
-                return
-            await asyncio.sleep(0.1)
 
 
 class SnapLocalProcessSpawner(SnapSpawnerMixin, LocalProcessSpawner):

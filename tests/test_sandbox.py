@@ -543,7 +543,7 @@ async def test_checkpoint_and_restore_a_sandboxed_server(sandboxed, backend, tmp
     spawner = make_spawner(tmp_path)
     spawner.proc, spawner.pid = sb.proc, init
     assert await spawner.poll() == 0
-    assert spawner.snapshot["id"] == info.id and spawner.will_resume
+    assert spawner.pending_checkpoint["id"] == info.id and spawner.will_resume
 
     restored = await backend.restore(info)
     pid, ip, rport = restored.pid, restored.ip, restored.port
