@@ -16,7 +16,9 @@ stops it through the Hub. This spawner's part is the other half:
     (pinned to the same GPU product) waits with a sleeping container; the node agent on
     the node where it landed restores the checkpoint into it (``POST /v1/restore``);
 
-  then it waits until the server answers, reuses the old API token and reports progress;
+  then it waits until the server answers, reuses the old API token and reports progress
+  (the flow of :class:`~jupyterhub_gpusnap.spawner_restore.RestoreMixin`, shared with the
+  local spawners; this module supplies its Kubernetes hooks);
 * calls to the node agent and the API server that fail for a moment (no answer, a
   gateway's 502/503/504, an API server's 5xx) are tried again (``Backoff``); an error the
   agent itself answers is final;
@@ -34,14 +36,11 @@ stops it through the Hub. This spawner's part is the other half:
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import time
 from datetime import datetime, timezone
 from typing import Any
 
 from aiohttp import ClientError
-from jupyterhub.utils import url_escape_path, url_path_join
 from kubernetes_asyncio.client import (
     V1Affinity,
     V1NodeAffinity,
@@ -53,20 +52,18 @@ from kubernetes_asyncio.client import (
 from kubernetes_asyncio.client.exceptions import ApiException
 from kubespawner import KubeSpawner
 from prometheus_client import Counter
-from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from traitlets import Enum, Float, Instance, Integer, List, Type, Unicode, default
 
 from .checkpoint.base import CheckpointBackend, CheckpointInfo
-from .checkpoint.kubernetes import agent_failure_is_transient
-from .model import server_key
+from .kube.agent import AgentConnection
+from .kube.errors import AgentError
 from .retry import Backoff
+from .spawner_restore import STATE_KEY, RestoreMixin, human_bytes
 
 #: Pod annotation marking a placeholder pod, with the checkpoint id it waits for.
 PLACEHOLDER_ANNOTATION = "gpusnap.jupyter.org/placeholder-for"
 #: Pod annotation on a pod started from a checkpoint image (runtime restore).
 RESTORED_FROM_ANNOTATION = "gpusnap.jupyter.org/restored-from"
-#: Key of our record inside the spawner state.
-STATE_KEY = "gpusnap"
 
 
 #: Checkpoint lookups that could not tell whether a server has a checkpoint, by phase
@@ -79,116 +76,13 @@ LOOKUP_FAILURES = Counter(
 )
 
 
-class AgentError(Exception):
-    """The node agent answered with an error (its ``error`` and ``fix`` in the message).
-
-    ``transient``: a failure worth another try (:func:`agent_failure_is_transient`)."""
-
-    def __init__(self, message: str, transient: bool = False):
-        super().__init__(message)
-        self.transient = transient
-
-
 class CheckpointLookupError(Exception):
     """Whether a server has a checkpoint cannot be told now (a source did not answer)."""
-
-
-async def call_agent(
-    url: str,
-    path: str,
-    token: str,
-    body: dict | None = None,
-    timeout: float = 30,
-    backoff: Backoff | None = None,
-) -> dict:
-    """Call the node agent's JSON API (``GET`` without ``body``, ``POST`` with it).
-
-    Raises :class:`AgentError` with the agent's ``error`` and ``fix`` on a 4xx/5xx answer,
-    and with the reason when the agent cannot be reached. With ``backoff``, what
-    :func:`~jupyterhub_gpusnap.checkpoint.kubernetes.agent_failure_is_transient` calls a
-    moment's failure is tried again.
-    """
-    once = lambda: _call_agent_once(url, path, token, body, timeout)  # noqa: E731
-    if backoff is None:
-        return await once()
-    method = "GET" if body is None else "POST"
-    return await backoff.run(
-        once, lambda e: getattr(e, "transient", False), f"node agent at {url}: {method} {path}"
-    )
-
-
-async def _call_agent_once(
-    url: str, path: str, token: str, body: dict | None, timeout: float
-) -> dict:
-    method = "GET" if body is None else "POST"
-    headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
-    if body is not None:
-        headers["Content-Type"] = "application/json"
-    req = HTTPRequest(
-        url_path_join(url, path),
-        method=method,
-        headers=headers,
-        body=None if body is None else json.dumps(body),
-        connect_timeout=min(timeout, 10),
-        request_timeout=timeout,
-    )
-    try:
-        resp = await AsyncHTTPClient().fetch(req)
-    except HTTPClientError as e:
-        if e.response is None:
-            raise AgentError(f"no answer from the node agent at {url}: {e}") from e
-        try:
-            err = json.loads(e.response.body or b"{}")
-        except ValueError:
-            err = {}
-        said = isinstance(err, dict) and bool(err.get("error"))
-        msg = err.get("error") if said else f"HTTP {e.code}"
-        fix = err.get("fix") if said else ""
-        raise AgentError(
-            f"node agent at {url}: {msg}" + (f" (fix: {fix})" if fix else ""),
-            transient=agent_failure_is_transient(method, e.code, said),
-        ) from e
-    except OSError as e:
-        raise AgentError(
-            f"cannot reach the node agent at {url}: {e}. Is the gpusnap agent DaemonSet running on "
-            "that node, and does the hub's NetworkPolicy allow egress to the agent port?",
-            transient=agent_failure_is_transient(method, 0, False),
-        ) from e
-    return json.loads(resp.body or b"{}")
-
-
-SA_TOKEN_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/token"
-
-
-def agent_token(api_token: str = "", token_file: str = "") -> str:
-    """The bearer token for the node agent: ``token_file``, else ``api_token``, else this
-    pod's ServiceAccount token (for agents with ``auth="tokenreview"``)."""
-    path = token_file or ("" if api_token else SA_TOKEN_FILE)
-    if not path:
-        return api_token
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except OSError as e:
-        raise AgentError(
-            f"no token for the node agent ({path}: {e.strerror}): set SnapKubeSpawner.agent_api_token "
-            "(or the GPUSNAP_AGENT_TOKEN environment variable) or agent_token_file"
-        ) from e
 
 
 def _epoch(dt: datetime) -> float:
     """Seconds since the epoch of a Hub timestamp (naive datetimes are UTC)."""
     return (dt.replace(tzinfo=timezone.utc) if dt.tzinfo is None else dt).timestamp()
-
-
-def human_bytes(n: int) -> str:
-    """``12.3 GiB`` style sizes for progress messages."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
 
 
 def add_required_node_affinity(pod: Any, key: str, values: list[str]) -> None:
@@ -224,8 +118,14 @@ def add_required_node_affinity(pod: Any, key: str, values: list[str]) -> None:
             term.match_expressions.append(requirement)
 
 
-class SnapKubeSpawner(KubeSpawner):
-    """KubeSpawner that restores a suspended server from its verified checkpoint."""
+class SnapKubeSpawner(RestoreMixin, KubeSpawner):
+    """KubeSpawner that restores a suspended server from its verified checkpoint: the
+    Kubernetes hooks of :class:`~jupyterhub_gpusnap.spawner_restore.RestoreMixin`.
+
+    :attr:`gpusnap_state` holds ``checkpoint`` (the one the next start restores) and
+    ``api_token`` (the one its processes hold) while suspended, ``lookup`` after a stop
+    that could not look, ``restored`` and the last ``failures`` for admins.
+    """
 
     restore_mode = Enum(
         ["agent", "runtime"],
@@ -242,65 +142,15 @@ class SnapKubeSpawner(KubeSpawner):
         """,
     ).tag(config=True)
 
-    @default("server_token_scopes")
-    def _default_server_token_scopes(self):
-        # JupyterHub's default plus access to the service: the server's extension reports its
-        # kernels and terminals to the service with this token, and the Lab panel asks the
-        # service with it (the Hub grants it only where users hold that access too:
-        # hubconfig.user_role). A service named other than 'gpusnap': set
-        # c.Spawner.server_token_scopes = hubconfig.server_token_scopes("<name>").
-        from .hubconfig import server_token_scopes
-
-        return server_token_scopes("gpusnap")
-
-    agent_namespace = Unicode(
-        "",
-        help="""Namespace of the gpusnap node agent DaemonSet (helm-values/agent/ uses
-        ``gpusnap-system``). Empty: the spawner's namespace. The hub needs ``list pods`` there.
-        Keep equal to ``c.AgentLocator.agent_namespace`` of the service.
-        """,
-    ).tag(config=True)
-
-    agent_label_selector = Unicode(
-        "app.kubernetes.io/name=jupyterhub-gpusnap-agent",
-        help="Label selector of the agent pods; the one on the placeholder pod's node restores it.",
-    ).tag(config=True)
-
-    agent_port = Integer(9780, help="Port of the node agent's HTTP API.").tag(config=True)
-
-    agent_scheme = Unicode("http", help="'http' or 'https' for the node agent's API.").tag(
-        config=True
+    agent_connection = Instance(
+        AgentConnection,
+        help="How the spawner reaches the node agents (``c.AgentConnection``: namespace, "
+        "label, port, token), the same settings as the service's.",
     )
 
-    agent_url_template = Unicode(
-        "",
-        help="""Fixed URL of the node agent instead of looking its pod up by label, with
-        ``{host_ip}`` (the node's IP) and ``{node}`` (its name), e.g.
-        ``http://{host_ip}:9780`` for an agent on the host network.
-        """,
-    ).tag(config=True)
-
-    agent_api_token = Unicode(
-        help="""Shared secret sent to the node agent as ``Authorization: Bearer``.
-
-        Defaults to the ``GPUSNAP_AGENT_TOKEN`` environment variable (Z2JH: put it in
-        ``hub.extraEnv`` from the Secret in helm-values/agent/). Leave empty and set
-        ``agent_token_file`` when the agent checks ServiceAccount tokens (``auth=tokenreview``).
-        """,
-    ).tag(config=True)
-
-    @default("agent_api_token")
-    def _default_agent_api_token(self) -> str:
-        return os.environ.get("GPUSNAP_AGENT_TOKEN", "")
-
-    agent_token_file = Unicode(
-        "",
-        help="""File holding the token for the node agent, read on every call. Takes
-        precedence over ``agent_api_token``. With neither set, the hub's ServiceAccount token
-        (``/var/run/secrets/kubernetes.io/serviceaccount/token``) is sent, for agents running
-        with ``auth="tokenreview"`` (add ``system:serviceaccount:<ns>:hub`` to their ``allowed_users``).
-        """,
-    ).tag(config=True)
+    @default("agent_connection")
+    def _default_agent_connection(self) -> AgentConnection:
+        return AgentConnection(parent=self, backoff=self.backoff)
 
     agent_request_timeout = Float(
         600,
@@ -309,14 +159,9 @@ class SnapKubeSpawner(KubeSpawner):
         """,
     ).tag(config=True)
 
-    restore_timeout = Float(
-        600,
-        help="""Seconds a whole restore may take (pod scheduled and running, agent restore,
-        server answering) before giving up and starting a fresh server instead.
-        ``start_timeout`` (Z2JH: ``singleuser.startTimeout``) must be larger than this plus
-        a normal start, or the Hub gives up first.
-        """,
-    ).tag(config=True)
+    @default("restore_timeout")
+    def _default_restore_timeout(self) -> float:
+        return 600.0  # the pod scheduled and running, the agent's restore, the server answering
 
     placeholder_command = List(
         Unicode(),
@@ -371,10 +216,9 @@ class SnapKubeSpawner(KubeSpawner):
         """,
     ).tag(config=True)
 
-    server_poll_interval = Float(
-        0.5,
-        help="Seconds between checks that a restored server answers.",
-    ).tag(config=True)
+    @default("server_poll_interval")
+    def _default_server_poll_interval(self) -> float:
+        return 0.5
 
     restore_failures_kept = Integer(
         5,
@@ -389,26 +233,16 @@ class SnapKubeSpawner(KubeSpawner):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._snap: dict = {}
         self._restoring: dict | None = None
-        self._progress_events: list[dict] = []
-        self._progress_changed = asyncio.Event()
         self._backend: CheckpointBackend | None = None
         self._stopping_pod = None
-
-    # ----- identity -------------------------------------------------------------------
-
-    @property
-    def server_key(self) -> str:
-        """``user/server_name`` of this server, the name used in every log line."""
-        return server_key(self.user.name, self.name)
 
     # ----- state ----------------------------------------------------------------------
 
     @property
     def pending_checkpoint(self) -> dict | None:
         """The checkpoint the next ``start()`` restores (a CheckpointInfo dict), or None."""
-        return self._snap.get("checkpoint")
+        return self.gpusnap_state.get("checkpoint")
 
     def record_checkpoint(self, info: CheckpointInfo | dict) -> None:
         """Keep ``info`` (a verified checkpoint) and the server's API token for the next start.
@@ -421,9 +255,9 @@ class SnapKubeSpawner(KubeSpawner):
                 f"{self.server_key}: checkpoint {data.get('id')!r} is {data.get('status')!r}, "
                 "only a verified checkpoint can be restored"
             )
-        self._snap["checkpoint"] = data
+        self.gpusnap_state["checkpoint"] = data
         if self.api_token:
-            self._snap["api_token"] = self.api_token
+            self.gpusnap_state["api_token"] = self.api_token
         self.will_resume = True
         self.log.info(
             "%s: suspended with checkpoint %s; it will be restored on the next start",
@@ -431,25 +265,12 @@ class SnapKubeSpawner(KubeSpawner):
             data.get("id"),
         )
 
-    def get_state(self) -> dict:
-        state = super().get_state()
-        if self._snap:
-            # holds the server's API token while suspended: spawner state is a secret
-            state[STATE_KEY] = self._snap
-        return state
-
     def load_state(self, state: dict) -> None:
         super().load_state(state)
-        snap = state.get(STATE_KEY)
-        if snap:
-            self._snap = dict(snap)
-            if self._snap.get("checkpoint") or self._snap.get("lookup"):
-                self.will_resume = True
-
-    def clear_state(self) -> None:
-        # the checkpoint reference and the token must outlive clear_state (the Hub calls
-        # it after every stop and before every start)
-        super().clear_state()
+        if state.get(STATE_KEY) and (
+            self.gpusnap_state.get("checkpoint") or self.gpusnap_state.get("lookup")
+        ):
+            self.will_resume = True
 
     # ----- stop: notice the checkpoint ------------------------------------------------
 
@@ -463,8 +284,8 @@ class SnapKubeSpawner(KubeSpawner):
             if info is not None:
                 await self._add_gpu_facts(info)
                 self.record_checkpoint(info)
-                self._snap.pop("lookup", None)
-            elif not self.pending_checkpoint and not self._snap.get("lookup"):
+                self.gpusnap_state.pop("lookup", None)
+            elif not self.pending_checkpoint and not self.gpusnap_state.get("lookup"):
                 self.will_resume = False
         await super().stop(now=now)
 
@@ -472,13 +293,13 @@ class SnapKubeSpawner(KubeSpawner):
         """Leave the server restorable: keep its token and look again on the next start."""
         LOOKUP_FAILURES.labels(phase="stop").inc()
         started = self.orm_spawner.started if self.orm_spawner is not None else None
-        self._snap["lookup"] = {
+        self.gpusnap_state["lookup"] = {
             "error": reason,
             "started": _epoch(started) if started is not None else 0.0,
             "stopped": time.time(),
         }
         if self.api_token:
-            self._snap["api_token"] = self.api_token
+            self.gpusnap_state["api_token"] = self.api_token
         self.will_resume = True
         self.log.error(
             "%s: cannot tell whether the server has a checkpoint: %s. Stopping it anyway and "
@@ -543,7 +364,11 @@ class SnapKubeSpawner(KubeSpawner):
                 )  # fmt: skip
         except Exception as e:
             self.log.warning(
-                "%s: reading pod %s/%s failed: %s", self.server_key, self.namespace, self.pod_name, e
+                "%s: reading pod %s/%s failed: %s",
+                self.server_key,
+                self.namespace,
+                self.pod_name,
+                e,
             )
         if self.checkpoint_backend_class is None:
             return None
@@ -614,7 +439,7 @@ class SnapKubeSpawner(KubeSpawner):
 
     async def _look_again(self) -> None:
         """Repeat the lookup that failed at stop; raise rather than start fresh over a snapshot."""
-        run = self._snap["lookup"]
+        run = self.gpusnap_state["lookup"]
         try:
             info = await self._checkpoint_of_running_pod(run)
         except CheckpointLookupError as e:
@@ -642,73 +467,41 @@ class SnapKubeSpawner(KubeSpawner):
                 e,
             )
             info = None
-        self._snap.pop("lookup", None)
+        self.gpusnap_state.pop("lookup", None)
         if info is not None:
-            held = self._snap.get("api_token")  # the stopped run's token, not the Hub's new one
+            # the stopped run's token, not the Hub's new one
+            held = self.gpusnap_state.get("api_token")
             await self._add_gpu_facts(info)
             self.record_checkpoint(info)
             if held:
-                self._snap["api_token"] = held
+                self.gpusnap_state["api_token"] = held
             return
-        self._snap.pop("api_token", None)
+        self.gpusnap_state.pop("api_token", None)
         self.will_resume = False
         self.log.info("%s: no checkpoint of the last run: starting fresh", self.server_key)
 
     # ----- start: restore or fresh ----------------------------------------------------
 
     async def _start(self) -> str:
-        self._progress_events = []
-        if self._snap.get("lookup") and not self.pending_checkpoint:
-            await self._look_again()
-        checkpoint = self.pending_checkpoint
-        if not checkpoint:
-            return await super()._start()
-        self._restoring = checkpoint
-        try:
-            url = await asyncio.wait_for(self._restore(checkpoint), self.restore_timeout)
-        except Exception as e:
-            reason = str(e) or type(e).__name__
-            if isinstance(e, asyncio.TimeoutError):
-                reason = f"the restore did not finish within {self.restore_timeout:g}s"
-            await self._fall_back(checkpoint, reason)
-            self._restoring = None
-            return await super()._start()
-        self._restoring = None
-        token = self._snap.get("api_token")
-        self._snap = {
-            "restored": {
-                "id": checkpoint.get("id"),
-                "time": time.time(),
-                "mode": self.restore_mode,
-            },
-            "failures": self._snap.get("failures", []),
-        }
-        if token:
-            # only now: reusing it before success leaked the Hub's fresh token on failure
-            self.api_token = token
-        self.will_resume = False
-        self.log.info("%s: restored from checkpoint %s", self.server_key, checkpoint.get("id"))
-        self._emit("Server restored from its snapshot.", 100)
-        return url
+        return await self.restore_or_start_fresh()
 
-    async def _restore(self, checkpoint: dict) -> str:
-        taken = checkpoint.get("created")
-        when = (
-            datetime.fromtimestamp(taken, timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-            if taken
-            else "earlier"
-        )
+    async def checkpoint_to_restore(self) -> dict | None:
+        if self.gpusnap_state.get("lookup") and not self.pending_checkpoint:
+            await self._look_again()
+        return self.pending_checkpoint or None
+
+    async def resume_token(self, checkpoint: dict) -> str:
+        """The token the stopped run held, kept in the spawner state at its stop."""
+        return self.gpusnap_state.get("api_token") or ""
+
+    async def restore_checkpoint(self, checkpoint: dict) -> str:
+        """A pod for the checkpoint (:meth:`get_pod_manifest`): with ``restore_mode="agent"``
+        a placeholder the node agent restores into, else the checkpoint image itself."""
+        self._restoring = checkpoint
         size = int(checkpoint.get("image_bytes") or 0)
-        self.log.info(
-            "%s: restoring checkpoint %s (%s mode, %s)",
-            self.server_key,
-            checkpoint.get("id"),
-            self.restore_mode,
-            human_bytes(size),
-        )
-        self._emit(f"Restoring your server from a {human_bytes(size)} snapshot taken {when}…", 5)
+        self.log.info("%s: restore mode %s", self.server_key, self.restore_mode)
         if self.restore_mode == "agent" and checkpoint.get("gpu_model"):
-            self._emit(
+            self.emit(
                 f"Waiting for a node with {checkpoint.get('gpu_count') or 1} × "
                 f"{checkpoint['gpu_model']} (a snapshot restores only on the same GPU model)…",
                 10,
@@ -718,7 +511,7 @@ class SnapKubeSpawner(KubeSpawner):
         node = (pod.get("spec") or {}).get("nodeName", "")
         if self.restore_mode == "agent":
             agent = await self._agent_url(pod)
-            self._emit(
+            self.emit(
                 f"Placeholder pod running on node {node}; restoring {human_bytes(size)} of memory…",
                 40,
             )
@@ -728,13 +521,8 @@ class SnapKubeSpawner(KubeSpawner):
                 "container": "notebook",
                 "image": checkpoint["id"],
             }
-            result = await call_agent(
-                agent,
-                "/v1/restore",
-                self._agent_token(),
-                body,
-                timeout=self.agent_request_timeout,
-                backoff=self.backoff,
+            result = await self.agent_connection.call(
+                agent, "POST", "/v1/restore", body, timeout=self.agent_request_timeout
             )
             if not result.get("restored"):
                 raise AgentError(f"node agent on {node} did not restore: {result}")
@@ -745,88 +533,59 @@ class SnapKubeSpawner(KubeSpawner):
                 checkpoint["id"],
                 result.get("pid"),
             )
-        self._emit("Memory restored; waiting for the server to answer…", 80)
-        await self._wait_for_server(url)
         return url
 
-    async def _fall_back(self, checkpoint: dict, reason: str) -> None:
+    async def discard_restore(self, checkpoint: dict, error: BaseException, reason: str) -> None:
         """Delete what the failed restore created and record why; the image is kept."""
-        self.log.error(
-            "%s: restore of checkpoint %s failed: %s. Starting a fresh server; the checkpoint "
-            "is kept and can be restored by an admin.",
-            self.server_key,
-            checkpoint.get("id"),
-            reason,
-        )
-        self._emit(
-            f"Could not restore your snapshot ({reason}). Starting a fresh server instead; "
-            "the snapshot is kept — ask your admin if you need it back.",
-            50,
-        )
         try:
             await super().stop(now=True)
         except Exception as e:
             self.log.warning("%s: could not delete the placeholder pod: %s", self.server_key, e)
-        failures = list(self._snap.get("failures", []))
+        failures = list(self.gpusnap_state.get("failures", []))
         failures.append({"id": checkpoint.get("id"), "time": time.time(), "error": reason})
         # the checkpoint stays in the backend; not restoring it again over a fresh server
-        self._snap = {"failures": failures[-self.restore_failures_kept :]}
+        self.gpusnap_state = {"failures": failures[-self.restore_failures_kept :]}
+        self.will_resume = False
+        self._restoring = None
+
+    def restored(self, checkpoint: dict, url: str) -> None:
+        self._restoring = None
+        self.gpusnap_state = {
+            "restored": {
+                "id": checkpoint.get("id"),
+                "time": time.time(),
+                "mode": self.restore_mode,
+            },
+            "failures": self.gpusnap_state.get("failures", []),
+        }
         self.will_resume = False
 
-    async def _wait_for_server(self, url: str) -> None:
-        """Wait until the restored server answers HTTP on its API (any non-5xx answer)."""
-        if self.orm_spawner is not None and self.orm_spawner.server is not None:
-            base = self.orm_spawner.server.base_url
-        else:
-            base = url_path_join(self.user.url, url_escape_path(self.name), "/")
-        target = url_path_join(url, base, "api")
-        client = AsyncHTTPClient()
-        last = ""
-        while True:
-            try:
-                resp = await client.fetch(
-                    target, request_timeout=5, connect_timeout=5, raise_error=False
-                )
-                if resp.code < 500 and resp.code != 599:
-                    return
-                last = f"HTTP {resp.code}"
-            except OSError as e:
-                last = str(e)
-            self.log.debug("%s: waiting for %s (%s)", self.server_key, target, last)
-            await asyncio.sleep(self.server_poll_interval)
+    async def start_fresh(self) -> str:
+        return await super()._start()
 
     async def _agent_url(self, pod: dict) -> str:
         """URL of the node agent on the node where ``pod`` runs."""
         node = (pod.get("spec") or {}).get("nodeName", "")
-        if self.agent_url_template:
-            host_ip = (pod.get("status") or {}).get("hostIP", "")
-            return self.agent_url_template.format(host_ip=host_ip, node=node)
-        namespace = self.agent_namespace or self.namespace
+        host_ip = (pod.get("status") or {}).get("hostIP", "")
+        agents = self.agent_connection
         try:
-            pods = await self._kube(
-                f"list agent pods on node {node}",
-                lambda: self.api.list_namespaced_pod(
-                    namespace,
-                    label_selector=self.agent_label_selector,
-                    field_selector=f"spec.nodeName={node}",
-                ),
-            )
-        except ApiException as e:
-            raise AgentError(
-                f"cannot list the node agent pods in namespace {namespace}: {e.status} {e.reason}. "
-                f"Grant the hub 'list pods' in {namespace} (helm-values/agent/rbac-hub.yaml)"
-            ) from e
-        ips = [p.status.pod_ip for p in pods.items if p.status and p.status.pod_ip]
-        if not ips:
-            raise AgentError(
-                f"no gpusnap node agent pod runs on node {node} (selector {self.agent_label_selector} "
-                f"in namespace {namespace}). Deploy the agent DaemonSet (helm-values/agent/) on GPU nodes"
-            )
-        ip = ips[0]
-        return f"{self.agent_scheme}://{'[' + ip + ']' if ':' in ip else ip}:{self.agent_port}"
-
-    def _agent_token(self) -> str:
-        return agent_token(self.agent_api_token, self.agent_token_file)
+            return await agents.agent_url(node, host_ip)
+        except AgentError as e:
+            if e.code == 503:
+                raise AgentError(
+                    f"no gpusnap node agent pod runs on node {node} (selector "
+                    f"{agents.agent_label_selector} in namespace {agents.agent_namespace}). "
+                    "Deploy the agent DaemonSet (helm-values/agent/) on GPU nodes",
+                    code=503,
+                ) from e
+            if e.code == 403:
+                raise AgentError(
+                    f"cannot list the node agent pods in namespace {agents.agent_namespace}: "
+                    f"{e.message}. Grant the hub 'list pods' in {agents.agent_namespace} "
+                    "(helm-values/agent/rbac-hub.yaml)",
+                    code=403,
+                ) from e
+            raise
 
     # ----- the pod --------------------------------------------------------------------
 
@@ -864,41 +623,6 @@ class SnapKubeSpawner(KubeSpawner):
 
     # ----- progress -------------------------------------------------------------------
 
-    def _emit(self, message: str, progress: int | None = None) -> None:
-        event: dict = {"message": message}
-        if progress is not None:
-            event["progress"] = progress
-        self._progress_events.append(event)
-        self._progress_changed.set()
-
-    async def progress(self):
-        """Our restore messages, interleaved with KubeSpawner's pod events."""
-        pump_events: list[dict] = []
-
-        async def pump():
-            async for event in super(SnapKubeSpawner, self).progress():
-                pump_events.append(event)
-                self._progress_changed.set()
-
-        pump_task = asyncio.ensure_future(pump())
-        ours = theirs = 0
-        try:
-            while True:
-                self._progress_changed.clear()
-                while ours < len(self._progress_events):
-                    yield self._progress_events[ours]
-                    ours += 1
-                while theirs < len(pump_events):
-                    yield pump_events[theirs]
-                    theirs += 1
-                start = self._start_future
-                if pump_task.done() and start is not None and start.done():
-                    if ours == len(self._progress_events) and theirs == len(pump_events):
-                        break
-                    continue
-                try:
-                    await asyncio.wait_for(self._progress_changed.wait(), 1)
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            pump_task.cancel()
+    def base_progress(self):
+        """KubeSpawner's pod events, interleaved with our restore messages."""
+        return KubeSpawner.progress(self)
