@@ -26,6 +26,7 @@ from .handlers.base import MAX_BODY_SIZE
 from .hub import HubClient
 from .hubconfig import CUSTOM_SCOPES, REQUIRED_SCOPES  # noqa: F401  (re-exported)
 from .policy import Policy, Rule
+from .service import Service
 from .signals.base import SignalSource
 from .store import Store
 from .watcher import Watcher
@@ -404,6 +405,7 @@ class GpuSnap(Application):
             backend=self.backend,
             notifier=self.notifier,
         )
+        self.service = Service(self.watcher, self.store, self.policy, action=self.action)
 
     @property
     def jupyter_signal(self):

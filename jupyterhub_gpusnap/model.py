@@ -12,7 +12,12 @@ from datetime import datetime
 
 
 class State(str, enum.Enum):
-    """Per-server states of the service's state machine."""
+    """Per-server states of the service's state machine (transitions: :mod:`.policy`).
+
+    A restore is not a state: the spawner restores inside the Hub's spawn, and the
+    service sees the server ``suspended`` until it runs again, then ``active``.
+    ``exempt``: a rule exempts it, or an admin did (``ServerStatus.exempt``).
+    """
 
     active = "active"
     idle = "idle"
@@ -20,7 +25,6 @@ class State(str, enum.Enum):
     parked = "parked"
     suspending = "suspending"
     suspended = "suspended"
-    restoring = "restoring"
     failed = "failed"
     exempt = "exempt"
 

@@ -19,12 +19,15 @@ whatever the idle clock says, and "idle for" counts from the later of the two. A
 user reading their notebook without running a cell is not suspended under them;
 an open tab nobody touches reports nothing.
 
-Transitions made by :func:`decide` (``idle`` = seconds on the idle clock)::
+Every state change of a server is made here, by one of two pure functions; the
+watcher persists what they return and carries out their effects.
+
+Transitions made by :func:`decide` on a tick's sample (``idle`` = seconds on the idle clock)::
 
     from                      condition                                   to          action
-    any                       rule exempt or action "none"                exempt      unpark if parked
-    suspending/suspended/     (owned by the service and the spawner)      unchanged   -
-      restoring
+    any                       rule exempt or action "none", or exempted   exempt      unpark if parked
+                                by an admin (``ServerStatus.exempt``)
+    suspending/suspended      (owned by the suspension and the spawner)   unchanged   -
     any other                 active sample, a new Lab interaction, or    active      unpark if parked
                                 keep_until in the future
     failed                    idle, within failure_backoff of failing     failed      -
@@ -39,6 +42,35 @@ Transitions made by :func:`decide` (``idle`` = seconds on the idle clock)::
 
     * a warning is always given warn_before seconds ahead: a server found past its
       deadline (after the service was down) is warned first and suspended later.
+
+Transitions made by :func:`transition` on everything else that happens to a server
+(an :class:`Event`: a suspension's outcome, a restore seen, a user's or admin's request)::
+
+    event              from                        to                      effects
+    suspend_started    any                         suspending              state
+    suspend_refused    any                         active (last_active)    state
+    suspend_failed     any                         failed (failures + 1)   state, suspend_failed event
+    stop_failed        any                         failed (failures + 1)   state, stop_failed event
+    suspended          any                         suspended               state, suspend event
+    stopped            any                         (record dropped)        stop event, forget
+    returned           suspended                   active (restored_at)    restore or restore_failed event
+    interrupted        suspending, server runs     active                  suspend_interrupted event
+                       suspending, server gone     (record dropped)        suspend_interrupted event, forget
+    park_refused       any                         idle                    state
+    parked             idle/warned                 parked                  state
+    keep               idle/warned/failed          active                  state, keep event
+                       any other                   unchanged               keep event
+    keep_ended         any, kept running           unchanged               keep event
+                       any other                   unchanged               -
+    exempt             suspending/suspended        unchanged               -
+                       parked                      exempt                  state, unpark
+                       any other                   exempt                  state
+    exempt_lifted      exempt                      active                  state
+                       any other                   unchanged               -
+
+``state`` records a ``state`` event (from, to, reason) when the state changes. An admin's
+exemption is the ``exempt`` flag of the status and the ``exempt`` state while the server
+runs: it outlives a "suspend now" and the restore after it.
 """
 
 from __future__ import annotations
@@ -54,7 +86,9 @@ from dataclasses import dataclass, field
 from .model import Sample, Server, State
 
 ACTIONS = ("suspend", "stop", "none")
-_OWNED = (State.suspending, State.suspended, State.restoring)
+#: The reason an admin-exempted server is given on each tick.
+EXEMPTED = "exempted by an admin"
+_OWNED = (State.suspending, State.suspended)
 _SAMPLE_FIELDS = tuple(Sample.__dataclass_fields__)
 
 
@@ -297,6 +331,7 @@ class ServerStatus:
     failures: int = 0
     last_sample: dict = field(default_factory=dict)
     warned_at: float | None = None  # when the user was last warned (one warning per idle period)
+    exempt: bool = False  # an admin exempted it: never suspended by the policy
 
 
 @dataclass(frozen=True)
@@ -331,12 +366,16 @@ def decide(status: ServerStatus, sample: Sample, rule: Rule, now: float) -> Deci
             found = ("JupyterLab in use", None)
     if status.keep_until is not None and status.keep_until > now:
         found = (f"kept running until {_fmt_time(status.keep_until)}", now)
+    if status.exempt:  # the idle clock holds while exempt, as it does while kept running
+        found = (EXEMPTED, now)
     moved = found is not None and found[1] is not None
     last_active = max(status.last_active, min(found[1], now)) if moved else status.last_active
     base = max(last_active, status.started, status.restored_at or 0.0)
     start = max(base, touch or 0.0)  # the idle period starts at the latest sign of the user
     idle = max(now - start, 0.0)
     common = {"idle_seconds": idle, "active": bool(found), "last_active": last_active, "idle_since": start}
+    if status.exempt:
+        return Decision(State.exempt, unpark, EXEMPTED, **common)
     if rule.exempt or rule.action == "none":
         why = "exempt" if rule.exempt else "action none"
         return Decision(State.exempt, unpark, f"rule {rule.name!r}: {why}", **common)
@@ -399,3 +438,121 @@ def step(
     new = object.__new__(ServerStatus)
     new.__dict__.update(status.__dict__, **changes)
     return new, d
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something that happened to a server besides a tick's sample (see :func:`transition`).
+
+    ``kind`` is one of :data:`EVENTS`; ``time`` when it happened (epoch s); ``reason`` the
+    words the state change is logged and recorded with; ``detail`` what the event carries
+    (``error``, ``checkpoint``, ``until``, ``started``, ``restored``, an event record's detail).
+    """
+
+    kind: str
+    time: float
+    reason: str = ""
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Effect:
+    """One thing the watcher does for a transition: ``record`` an event of ``kind`` with
+    ``detail`` in the server's history, ``unpark`` its GPU memory, or ``forget`` its record."""
+
+    action: str
+    kind: str = ""
+    detail: dict = field(default_factory=dict)
+
+
+#: Event kinds :func:`transition` takes.
+EVENTS = (
+    "suspend_started", "suspend_refused", "suspend_failed", "stop_failed", "suspended", "stopped",
+    "returned", "interrupted", "park_refused", "parked", "keep", "keep_ended", "exempt", "exempt_lifted",
+)  # fmt: skip
+_FAILED = {"suspend_failed", "stop_failed"}
+_RUNNING = (State.active, State.idle, State.warned, State.parked, State.failed, State.exempt)
+
+
+def transition(status: ServerStatus, event: Event) -> tuple[ServerStatus, list[Effect]]:
+    """The status after ``event`` and the effects to carry out, in order (the module's
+    second table). Pure: ``status`` is not changed; the caller persists the result."""
+    kind, now, reason, detail = event.kind, event.time, event.reason, event.detail
+    changes: dict = {}
+    effects: list[Effect] = []
+    to = status.state
+    if kind == "suspend_started":
+        to = State.suspending
+    elif kind == "suspend_refused":
+        to, changes["last_active"] = State.active, now
+    elif kind in _FAILED:
+        to = State.failed
+        changes.update(failure=reason, failures=(status.failures or 0) + 1)
+        effects.append(Effect("record", kind, {"error": reason}))
+    elif kind == "suspended":
+        to, changes["checkpoint_id"] = State.suspended, detail.get("checkpoint", status.checkpoint_id)
+        effects.append(Effect("record", "suspend", detail.get("record", {})))
+    elif kind == "stopped":
+        return status, [Effect("record", "stop", {"reason": reason}), Effect("forget")]
+    elif kind == "returned":
+        restored = bool(detail.get("restored"))
+        changes.update(state=State.active, state_since=now, restored_at=now, last_active=now,
+                       started=detail.get("started") or now,
+                       reason="restored from snapshot" if restored else "restore failed: started fresh")  # fmt: skip
+        if not restored:
+            changes["failure"] = detail.get("error")
+        record = {k: v for k, v in detail.items() if k not in ("restored", "started")}
+        effects.append(Effect("record", "restore" if restored else "restore_failed", record))
+        return _replaced(status, changes), effects
+    elif kind == "interrupted":
+        record = Effect("record", "suspend_interrupted", {"error": detail.get("error", "")})
+        if not detail.get("running", True):
+            return status, [record, Effect("forget")]
+        changes.update(state=State.active, state_since=now, last_active=now, reason=reason)
+        return _replaced(status, changes), [record]
+    elif kind == "park_refused":
+        to = State.idle
+    elif kind == "parked":
+        to = State.parked if status.state in (State.idle, State.warned) else status.state
+    elif kind in ("keep", "keep_ended"):
+        if kind == "keep_ended" and status.keep_until is None:
+            return status, []
+        until = detail.get("until")
+        changes["keep_until"] = until
+        if kind == "keep" and status.state in (State.idle, State.warned, State.failed):
+            to = State.active
+        record = {"until": until} if kind == "keep" else {"until": None, "reason": reason}
+        new = _replaced(status, changes)
+        if to != status.state:
+            new = _replaced(new, {"state": to, "state_since": now, "reason": reason})
+            effects.append(_state_record(status.state, to, reason))
+        return new, [*effects, Effect("record", "keep", record)]
+    elif kind == "exempt":
+        changes["exempt"] = True
+        if status.state in _RUNNING:
+            to = State.exempt
+            if status.state == State.parked:
+                effects.append(Effect("unpark"))
+        else:
+            return _replaced(status, changes), []
+    elif kind == "exempt_lifted":
+        changes["exempt"] = False
+        if status.state != State.exempt:
+            return _replaced(status, changes), []
+        to = State.active
+    else:
+        raise ValueError(f"unknown event {kind!r}; one of {', '.join(EVENTS)}")
+    changes.update(state=to, state_since=now, reason=reason)
+    if to != status.state:
+        effects.insert(0, _state_record(status.state, to, reason))
+    return _replaced(status, changes), effects
+
+
+def _state_record(was: State, to: State, reason: str) -> Effect:
+    return Effect("record", "state", {"from": str(was), "to": str(to), "reason": reason})
+
+
+def _replaced(status: ServerStatus, changes: dict) -> ServerStatus:
+    new = object.__new__(ServerStatus)
+    new.__dict__.update(status.__dict__, **changes)
+    return new

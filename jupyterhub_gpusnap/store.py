@@ -17,6 +17,7 @@ from pathlib import Path
 
 from sqlalchemy import (
     JSON,
+    Boolean,
     Column,
     Float,
     Index,
@@ -31,6 +32,7 @@ from sqlalchemy import (
     delete,
     func,
     insert,
+    inspect,
     select,
     update,
 )
@@ -62,6 +64,7 @@ servers = Table(
     Column("failures", Integer, nullable=False, default=0),
     Column("last_sample", JSON, nullable=False, default=dict),
     Column("warned_at", Float),
+    Column("exempt", Boolean, nullable=False, default=False),
 )
 
 events = Table(
@@ -89,6 +92,10 @@ notifications = Table(
 _FIELDS = [c.name for c in servers.columns]
 _COLUMNS = tuple(f for f in _FIELDS if f != "key")  # what an update may change
 _STATES = {s.value: s for s in State}  # State(value) without the enum call, for every row
+# Older versions: "restoring" was declared but never entered, and an admin's exemption was a
+# keep-running until 2100-01-01 (this keep_until); both read as what they stood for.
+_STATES["restoring"] = State.suspended
+OLD_EXEMPT_UNTIL = 4102444800.0
 
 
 def _sqlite_file(url: str) -> Path | None:
@@ -128,12 +135,23 @@ class Store:
                 kwargs["poolclass"] = StaticPool
         self.engine: Engine = create_engine(url, **kwargs)
         metadata.create_all(self.engine)
+        self._upgrade()
         self._pending: dict[str, dict] | None = None  # put() rows held by batch()
         self._cache: dict[str, dict] | None = None  # rows read once by batch(preload=True)
         # Every stored row as this store last read or wrote it, kept from one preloading batch
         # to the next (the service is the database's only writer); None: read them again.
         self._rows: dict[str, dict] | None = None
         self._held_events: list[dict] = []  # add_event() rows held by batch()
+
+    def _upgrade(self) -> None:
+        """Bring a database written by an older version up to date: the ``exempt`` column,
+        and an exemption stored as a keep-running until 2100 turned into that flag."""
+        columns = {c["name"] for c in inspect(self.engine).get_columns("servers")}
+        with self.engine.begin() as conn:
+            if "exempt" not in columns:
+                conn.exec_driver_sql("ALTER TABLE servers ADD COLUMN exempt BOOLEAN NOT NULL DEFAULT FALSE")
+            old = servers.c.keep_until == OLD_EXEMPT_UNTIL
+            conn.execute(update(servers).where(old).values(exempt=True, keep_until=None))
 
     def close(self) -> None:
         self.engine.dispose()
@@ -149,7 +167,7 @@ class Store:
     @staticmethod
     def _to_status(row) -> ServerStatus:
         d = dict(row._mapping)
-        d["state"] = State(d["state"])
+        d["state"] = _STATES.get(d["state"]) or State(d["state"])
         d["last_sample"] = d["last_sample"] or {}
         return ServerStatus(**d)
 
@@ -195,6 +213,20 @@ class Store:
         with self.engine.connect() as conn:
             row = conn.execute(select(servers.c.keep_until).where(servers.c.key == key)).first()
         return row[0] if row is not None else missing
+
+    def exempt(self, key: str, missing: bool = False) -> bool:
+        """Whether an admin exempted ``key`` (as stored); ``missing`` if no such server.
+
+        Re-read by the watcher after every signal reading, as :meth:`keep_until` is.
+        """
+        if self._pending is not None and key in self._pending:
+            return bool(self._pending[key]["exempt"])
+        if self._cache is not None:
+            values = self._cache.get(key)
+            return bool(values["exempt"]) if values is not None else missing
+        with self.engine.connect() as conn:
+            row = conn.execute(select(servers.c.exempt).where(servers.c.key == key)).first()
+        return bool(row[0]) if row is not None else missing
 
     def put(self, status: ServerStatus, now: bool = False) -> None:
         """Insert or replace the row of ``status.key``.

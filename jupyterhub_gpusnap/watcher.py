@@ -22,14 +22,14 @@ from .checkpoint.base import CheckpointBackend, CheckpointError, CheckpointRefus
 from .gpu.view import GpuReading, GpuView, local_gpus, pick
 from .hub import HubClient, HubError
 from .model import Sample, Server, State
-from .policy import Decision, Policy, ServerStatus, step
+from .policy import Decision, Effect, Event, Policy, ServerStatus, clamp_keep, step, transition
 from .procs import tree_pids
 from .signals.base import SignalSource
 from .signals.interaction import InteractionLog
 from .store import Store
 
 # States in which a server is not running and the watcher keeps its record.
-OFFLINE = {State.suspended, State.suspending, State.restoring}
+OFFLINE = {State.suspended, State.suspending}
 # Seconds a finished suspension waits for its "suspended" email to be claimed in the store
 # (address looked up, claim written; the sending runs in the background) before it records the
 # server suspended: the claim first keeps a crash in between from mailing the user twice.
@@ -136,6 +136,7 @@ class Watcher(LoggingConfigurable):
         self._exported: dict[str, tuple] = {}  # per-server values last set on them
         self._semaphore = asyncio.Semaphore(self.suspend_concurrency)
         self._room_lock = asyncio.Lock()  # one make-room at a time (API and ticks)
+        self._background: set[asyncio.Task] = set()  # unparks an exemption started
         self._short_gpus: set[tuple[str, int]] = set()  # (node, GPU) below min_free_gpu_memory, nothing to park
         self._gpu_missing: set[str] = set()  # nodes whose GPU memory the last reading could not read
         self._free_labels: set[tuple[str, str]] = set()  # gpusnap_gpu_free_bytes children set
@@ -298,7 +299,9 @@ class Watcher(LoggingConfigurable):
         self._start_due()
 
     def _merge_keep(self, status: ServerStatus, now: float | None = None) -> None:
-        """Take the stored keep-running time: the API's requests win over this tick's copy."""
+        """Take the stored keep-running time and exemption: the API's requests win over this
+        tick's copy."""
+        status.exempt = self.store.exempt(status.key, missing=status.exempt)
         keep_until = self.store.keep_until(status.key, missing=status.keep_until)
         if keep_until == status.keep_until:
             return
@@ -358,20 +361,13 @@ class Watcher(LoggingConfigurable):
                 detail["retention_days"] = info.extra["retention_days"]
             if restored and info.gpu_count:
                 metrics.GPU_SECONDS_FREED.inc(max(0.0, now - status.state_since) * info.gpu_count)
-        event = self.store.record_event(status.key, kind, detail)
+        started = server.started.timestamp() if server.started else now
+        ids = self._apply(status, "returned", persist=False, now=now, restored=restored, started=started, **detail)
         metrics.ACTIONS.labels(action="restore", result="ok" if restored else "failed").inc()
         if not restored:
             metrics.FAILURES.labels(kind="restore").inc()
         self.log.info("%s: %s from checkpoint %s", status.key, "restored" if restored else "restore failed, fresh start", status.checkpoint_id)
-        status.state = State.active
-        status.state_since = now
-        status.restored_at = now
-        status.last_active = now
-        status.reason = "restored from snapshot" if restored else "restore failed: started fresh"
-        status.started = server.started.timestamp() if server.started else now
-        if not restored:
-            status.failure = info.error if info else detail["error"]
-        await self._notify("restored" if restored else "restore_failed", status, str(event), detail)
+        await self._notify("restored" if restored else "restore_failed", status, str(ids[kind]), detail)
         return True
 
     async def _interrupted(self, status: ServerStatus, server: Server | None, now: float) -> str:
@@ -408,16 +404,15 @@ class Watcher(LoggingConfigurable):
         metrics.ACTIONS.labels(action="suspend", result="failed").inc()
         metrics.FAILURES.labels(kind="suspend").inc()
         why = "the service stopped while this server was being checkpointed; the checkpoint failed"
-        self.store.record_event(key, "suspend_interrupted", {"error": why})
         if server is None:
             self.log.error("%s: suspension interrupted by a service restart; no checkpoint and no server "
                            "running: forgetting it", key)  # fmt: skip
-            return "failed"
-        self.log.error("%s: suspension interrupted by a service restart; the checkpoint failed and the "
-                       "server runs on", key)  # fmt: skip
-        status.state, status.state_since, status.last_active = State.active, now, now
-        status.reason = "suspension interrupted by a service restart"
-        return "running"
+        else:
+            self.log.error("%s: suspension interrupted by a service restart; the checkpoint failed and the "
+                           "server runs on", key)  # fmt: skip
+        self._apply(status, "interrupted", "suspension interrupted by a service restart", persist=False, now=now,
+                    error=why, running=server is not None)  # fmt: skip
+        return "running" if server is not None else "failed"
 
     async def _reconcile_gone(self, running: dict[str, Server], now: float) -> None:
         """Forget servers the user stopped; keep suspended ones (their checkpoint is their state)."""
@@ -428,21 +423,25 @@ class Watcher(LoggingConfigurable):
             if status is None:
                 continue
             if status.state == State.suspending:
-                # the service died mid-suspension: the backend's recovery decided the outcome
-                if await self._interrupted(status, None, now) != "failed":
-                    continue  # being finished (stopped, recorded suspended, emailed), or unreadable now
-            elif status.state in OFFLINE:
+                # the service died mid-suspension: the backend's recovery decided the outcome (being
+                # finished, unreadable now, or failed with no server left: the policy forgets it)
+                await self._interrupted(status, None, now)
                 continue
-            self.store.delete(status.key)
-            metrics.forget_server(status.key)
-            self._gauges.pop(status.key, None)
-            self._exported.pop(status.key, None)
-            self.samples.pop(status.key, None)
-            self.interactions.forget(status.key)
-            for source in self.sources:
-                forget = getattr(source, "forget", None)
-                if forget is not None and source.name == "cpu":
-                    forget(status.key)
+            if status.state not in OFFLINE:
+                self._forget(status.key)
+
+    def _forget(self, key: str) -> None:
+        """Drop a server's record, metrics and signal state (it is gone, and not suspended)."""
+        self.store.delete(key)
+        metrics.forget_server(key)
+        self._gauges.pop(key, None)
+        self._exported.pop(key, None)
+        self.samples.pop(key, None)
+        self.interactions.forget(key)
+        for source in self.sources:
+            forget = getattr(source, "forget", None)
+            if forget is not None and source.name == "cpu":
+                forget(key)
 
     # ------------------------------------------------------------------ actions
     async def act(self, action: str, server: Server, status: ServerStatus, decision: Decision) -> None:
@@ -485,7 +484,7 @@ class Watcher(LoggingConfigurable):
             if plain_stop or self.backend is None:
                 await self._plain_stop(server, status, reason)
                 return
-            self._set_state(status, State.suspending, reason)
+            self._apply(status, "suspend_started", reason)
             t0 = time.perf_counter()
             try:
                 await self.backend.check(server)
@@ -493,10 +492,9 @@ class Watcher(LoggingConfigurable):
             except CheckpointRefused as e:
                 result = "refused"
                 if e.retry:  # a busy GPU: the server is working; try again on a later tick
-                    status.last_active = self.clock()
-                    self._set_state(status, State.active, str(e))
+                    self._apply(status, "suspend_refused", str(e))
                 else:
-                    self._fail(status, "suspend_failed", str(e))
+                    self._apply(status, "suspend_failed", str(e))
                 metrics.ACTIONS.labels(action="suspend", result=result).inc()
                 self.log.warning("%s: suspension refused: %s", key, e)
                 return
@@ -505,7 +503,7 @@ class Watcher(LoggingConfigurable):
                 self.log.error("%s: suspension failed, server left running: %s", key, why)
                 metrics.ACTIONS.labels(action="suspend", result="failed").inc()
                 metrics.FAILURES.labels(kind="suspend").inc()
-                self._fail(status, "suspend_failed", why)
+                self._apply(status, "suspend_failed", why)
                 return
             metrics.ACTION_SECONDS.labels(action="suspend").observe(time.perf_counter() - t0)
             await self._finish_suspension(status, info, reason)
@@ -520,7 +518,6 @@ class Watcher(LoggingConfigurable):
         two; a crash after the claim and before the SMTP server took it loses that one email.
         """
         key = status.key
-        status.checkpoint_id = info.id
         try:
             if not recovered or await self._hub_runs(status):
                 await self.hub.stop_server(status.user, status.name)
@@ -532,7 +529,7 @@ class Watcher(LoggingConfigurable):
         if recovered:
             detail["recovered"] = True
         await self._notify("suspended", status, info.id, detail, wait_claim=True)
-        self._set_state(status, State.suspended, reason, event=("suspend", detail))
+        self._apply(status, "suspended", reason, checkpoint=info.id, record=detail)
         metrics.ACTIONS.labels(action="suspend", result="ok").inc()
         self.log.info("%s: suspended to checkpoint %s (%d bytes)%s", key, info.id, info.image_bytes,
                       " at recovery" if recovered else "")  # fmt: skip
@@ -548,12 +545,11 @@ class Watcher(LoggingConfigurable):
             await self.hub.stop_server(server.user, server.name)
         except HubError as e:
             metrics.ACTIONS.labels(action="stop", result="failed").inc()
-            self._fail(status, "stop_failed", str(e))
+            self._apply(status, "stop_failed", str(e))
             return
-        self.store.record_event(server.key, "stop", {"reason": reason})
+        self._apply(status, "stopped", reason, persist=False)
         metrics.ACTIONS.labels(action="stop", result="ok").inc()
         self.log.info("%s: stopped (no checkpoint: rule action 'stop'): %s", server.key, reason)
-        self.store.delete(server.key)
 
     @property
     def cuda(self):
@@ -585,7 +581,7 @@ class Watcher(LoggingConfigurable):
             metrics.ACTIONS.labels(action=action, result="refused").inc()
             self.log.info("%s: %s refused: %s", server.key, action, e)
             if not unpark:
-                self._set_state(status, State.idle, f"park refused: {e}")
+                self._apply(status, "park_refused", f"park refused: {e}")
             return None
         except Exception as e:
             metrics.ACTIONS.labels(action=action, result="failed").inc()
@@ -710,7 +706,7 @@ class Watcher(LoggingConfigurable):
             if result is not None and result.bytes_moved:
                 freed += held[key] if held is not None else result.bytes_moved
                 parked.append(key)
-                self._set_state(status, State.parked, f"parked to make room on the GPU ({trigger})")
+                self._apply(status, "parked", f"parked to make room on the GPU ({trigger})")
         enough = freed >= nbytes
         metrics.MAKE_ROOM.labels(trigger=trigger, result="enough" if enough else "short").inc()
         if freed:
@@ -788,20 +784,40 @@ class Watcher(LoggingConfigurable):
                     )  # fmt: skip
             return results
 
-    def _set_state(self, status: ServerStatus, state: State, reason: str, event: tuple[str, dict] | None = None) -> None:
-        now = self.clock()
-        if state != status.state:
-            self.log.info("%s: %s -> %s (%s)", status.key, status.state, state, reason)
-            self.store.record_event(status.key, "state", {"from": str(status.state), "to": str(state), "reason": reason})
-        status.state, status.state_since, status.reason = state, now, reason
-        if event:
-            self.store.record_event(status.key, *event)
-        self.store.put(status, now=True)  # suspending/suspended/failed must survive a crash
+    def _apply(self, status: ServerStatus, kind: str, reason: str = "", persist: bool = True,
+               now: float | None = None, **detail) -> dict[str, int]:  # fmt: skip
+        """The one executor of the policy's :func:`~.policy.transition` outside a tick's sample.
 
-    def _fail(self, status: ServerStatus, kind: str, why: str) -> None:
-        status.failure = why
-        status.failures = (status.failures or 0) + 1
-        self._set_state(status, State.failed, why, event=(kind, {"error": why}))
+        Runs event ``kind`` through it, updates ``status`` (the caller's object) to the result,
+        carries out the effects in order and, with ``persist``, writes the row at once
+        (suspending/suspended/failed must survive a crash). Returns the ids of the events
+        recorded, by kind.
+        """
+        now = self.clock() if now is None else now
+        new, effects = transition(status, Event(kind, now, reason, detail))
+        was = status.state
+        status.__dict__.update(new.__dict__)
+        ids = self._execute(status, was, effects)
+        if persist:
+            self.store.put(status, now=True)
+        return ids
+
+    def _execute(self, status: ServerStatus, was: State, effects: list[Effect]) -> dict[str, int]:
+        ids: dict[str, int] = {}
+        for effect in effects:
+            if effect.action == "record":
+                if effect.kind == "state":
+                    self.log.info("%s: %s -> %s (%s)", status.key, was, status.state, effect.detail["reason"])
+                ids[effect.kind] = self.store.record_event(status.key, effect.kind, effect.detail)
+            elif effect.action == "forget":
+                self._forget(status.key)
+            elif effect.action == "unpark":
+                server = self.servers.get(status.key)
+                if server is not None:
+                    task = asyncio.ensure_future(self.park(server, status, unpark=True))
+                    self._background.add(task)
+                    task.add_done_callback(self._background.discard)
+        return ids
 
     async def _notify(self, kind: str, status: ServerStatus, event_ref: str, detail: dict,
                       wait_claim: bool = False) -> None:  # fmt: skip
@@ -830,9 +846,7 @@ class Watcher(LoggingConfigurable):
         """Drop a keep-running request (a manual "suspend now" ends it)."""
         if status.keep_until is None:
             return
-        status.keep_until = None
-        self.store.record_event(status.key, "keep", {"until": None, "reason": why})
-        self.store.put(status, now=True)
+        self._apply(status, "keep_ended", why)
         self.log.info("%s: keep-running ended (%s)", status.key, why)
 
     def request_keep(self, key: str, until: float) -> ServerStatus:
@@ -843,12 +857,16 @@ class Watcher(LoggingConfigurable):
             raise KeyError(key)
         server = self.servers.get(key)
         rule = self.policy.rule_for(server) if server else self.policy.default
-        from .policy import clamp_keep
-
-        status.keep_until = clamp_keep(until, self.clock(), rule)
-        if status.state in (State.idle, State.warned, State.failed):
-            self._set_state(status, State.active, "keep running requested")
-        self.store.record_event(key, "keep", {"until": status.keep_until})
-        self.store.put(status, now=True)
+        until = clamp_keep(until, self.clock(), rule)
+        self._apply(status, "keep", "keep running requested", until=until)
         self.log.info("%s: kept running until %s", key, time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(status.keep_until)))
+        return status
+
+    def request_exempt(self, key: str, exempt: bool, by: str) -> ServerStatus:
+        """An admin exempts ``key`` from suspension (``exempt``) or lifts its exemption."""
+        status = self.store.get(key)
+        if status is None:
+            raise KeyError(key)
+        kind, words = ("exempt", "exempted") if exempt else ("exempt_lifted", "exemption lifted")
+        self._apply(status, kind, f"{words} by {by}")
         return status

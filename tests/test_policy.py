@@ -122,11 +122,15 @@ CASES = [
     ("action none", {}, {}, {"action": "none"}, 9000, State.exempt, None),
     ("exempt while parked unparks", {"state": State.parked}, {}, {"exempt": True}, 2000,
      State.exempt, "unpark"),
+    ("exempted by an admin", {"exempt": True}, {}, R, 9000, State.exempt, None),
+    ("exempted by an admin while parked unparks", {"state": State.parked, "exempt": True}, {},
+     PARK, 2000, State.exempt, "unpark"),
     # states owned by the service and the spawner
     ("suspending left alone", {"state": State.suspending}, {"kernels_busy": 1}, R, 9000,
      State.suspending, None),
     ("suspended left alone", {"state": State.suspended}, {}, R, 9000, State.suspended, None),
-    ("restoring left alone", {"state": State.restoring}, {}, R, 9000, State.restoring, None),
+    ("suspended and exempt left alone", {"state": State.suspended, "exempt": True}, {}, R, 9000,
+     State.suspended, None),
     # failures
     ("failed waits for backoff", {"state": State.failed, "state_since": T0 + 3600,
      "warned_at": T0 + 2700}, {}, R, 5000, State.failed, None),

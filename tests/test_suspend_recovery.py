@@ -80,14 +80,14 @@ async def test_crash_after_the_claim_sends_no_second_email(hub_factory, tmp_path
         # first start: finishes the suspension, claims and sends the email, then dies before
         # recording the server suspended
         first = make_watcher(hub, db, backend, smtp)
-        real_set_state = first._set_state
+        real_apply = first._apply
 
-        def dies_at_suspended(status, state, *args, **kwargs):
-            if state == State.suspended:
+        def dies_at_suspended(status, kind, *args, **kwargs):
+            if kind == "suspended":
                 raise Killed()
-            return real_set_state(status, state, *args, **kwargs)
+            return real_apply(status, kind, *args, **kwargs)
 
-        first._set_state = dies_at_suspended
+        first._apply = dies_at_suspended
         await first.tick()
         [finishing] = first._inflight.values()
         with pytest.raises(Killed):

@@ -10,61 +10,10 @@ from tornado import web
 
 from .. import __version__
 from ..gpu.view import RoomRequestError
-from ..model import Server, State, server_key
+from ..model import State, server_key
+from ..service import NotRunning, iso
 from ..signals.jupyter import Report, ReportError
-from .base import APIHandler, iso
-
-#: An admin's exemption is a keep-running with no end (the year 2100), which the policy already honours.
-EXEMPT_UNTIL = 4102444800.0
-
-
-def status_model(app, status, with_events: bool = True) -> dict:
-    """The JSON of one server's status: the one shape the API, pages and Lab panel share."""
-    watcher = app.watcher
-    decision = watcher.decisions.get(status.key)
-    server = watcher.servers.get(status.key)
-    rule = app.policy.rule_for(server) if server else app.policy.default
-    now = time.time()
-    kept = status.keep_until is not None and status.keep_until > now
-    # while kept running (or exempt) nothing is scheduled: no countdown beside "kept running until"
-    suspend_at = decision.suspend_at if decision and not kept else None
-    touch = (status.last_sample or {}).get("last_interaction")
-    if status.state not in (State.suspending, State.suspended, State.restoring):
-        touch = app.watcher.interactions.get(status.key, touch)
-    model = {
-        "server": status.key,
-        "user": status.user,
-        "name": status.name,
-        "state": str(status.state),
-        "state_since": iso(status.state_since),
-        "running": server is not None,
-        "url": server.url if server else None,
-        "rule": status.rule or rule.name,
-        "reason": status.reason,
-        "last_active": iso(status.last_active),
-        "idle_seconds": round(decision.idle_seconds, 1) if decision and decision.idle_seconds is not None else None,
-        "idle_since": iso(decision.idle_since) if decision and not decision.active else None,
-        "warn_at": iso(suspend_at - rule.warn_before) if suspend_at and rule.warn_before else None,
-        "suspend_at": iso(suspend_at),
-        "park_at": iso(decision.park_at) if decision else None,
-        "keep_until": iso(status.keep_until),
-        "exempt": status.keep_until == EXEMPT_UNTIL or str(status.state) == "exempt",
-        "max_keep_running": rule.max_keep_running,
-        "idle_window": rule.idle_window,
-        "action": rule.action,
-        "last_interaction": iso(touch),
-        "interaction_window": rule.interaction_seconds,
-        "restored_at": iso(status.restored_at),
-        "checkpoint_id": status.checkpoint_id,
-        "failure": status.failure,
-        "signals": status.last_sample or {},
-    }
-    if with_events:
-        model["events"] = [
-            {**e, "time": iso(e["time"])} for e in app.store.events(status.key, limit=20)
-        ]
-    return model
-
+from .base import APIHandler
 
 #: The latest ``until`` the API takes: the last second of the year 9999 (datetime's limit).
 LATEST_UNTIL = 253402300799.0
@@ -130,17 +79,17 @@ class InfoHandler(APIHandler):
 class ServersHandler(APIHandler):
     async def get(self):
         model = self.require_user()
-        app = self.gpusnap
+        service = self.service
         if self.can_read_all(model):
-            statuses = app.store.all()
+            statuses = service.all()
         else:
-            statuses = [s for s in app.store.all() if s.user == model["name"]]
+            statuses = [s for s in service.all() if s.user == model["name"]]
         state = self.get_argument("state", None)
         if state:
             if state not in State.__members__:
                 raise web.HTTPError(400, f"Unknown state {state!r}; one of {', '.join(State.__members__)}")
             statuses = [s for s in statuses if str(s.state) == state]
-        self.write_json({"servers": [status_model(app, s, with_events=False) for s in statuses]})
+        self.write_json({"servers": [service.model(s, with_events=False) for s in statuses]})
 
 
 class ServerMixin:
@@ -154,7 +103,7 @@ class ServerMixin:
         if not allowed:
             # the same answer whether or not the server exists: no probing of other users
             raise web.HTTPError(404, f"No server {server_key(user, name)} that you may see")
-        status = self.gpusnap.store.get(server_key(user, name))
+        status = self.service.get(server_key(user, name))
         if status is None:
             raise web.HTTPError(404, f"No server {server_key(user, name)} is running or suspended")
         return model, status
@@ -163,7 +112,7 @@ class ServerMixin:
 class ServerHandler(ServerMixin, APIHandler):
     async def get(self, user, name=None):
         _, status = self.find(user, name)
-        self.write_json(status_model(self.gpusnap, status))
+        self.write_json(self.service.model(status))
 
 
 class ServerActionHandler(ServerMixin, APIHandler):
@@ -172,10 +121,10 @@ class ServerActionHandler(ServerMixin, APIHandler):
         if name is not None:
             raise web.HTTPError(404, "Actions are POST requests; GET api/servers/{user}/{name} for a status")
         _, status = self.find(user, action)
-        self.write_json(status_model(self.gpusnap, status))
+        self.write_json(self.service.model(status))
 
     async def post(self, user, name=None, action=None):
-        app = self.gpusnap
+        service = self.service
         body = self.json_body()
         if action == "jupyter":
             return self.jupyter_report(user, name or "", body)
@@ -186,34 +135,30 @@ class ServerActionHandler(ServerMixin, APIHandler):
             exempt = body.get("exempt", True)
             if not isinstance(exempt, bool):
                 raise web.HTTPError(400, "'exempt' must be true or false")
-            status.keep_until = EXEMPT_UNTIL if exempt else None
-            app.watcher._set_state(status, State.active, f"{'exempted' if exempt else 'exemption lifted'} by {model['name']}")
-            return self.write_json(status_model(app, status))
+            status = service.exempt(status.key, exempt, by=model["name"])
+            return self.write_json(service.model(status))
         model, status = self.find(user, name, write=True)
         if action == "keep":
             until = parse_until(body, time.time())
             try:
-                status = app.watcher.request_keep(status.key, until)
+                status = service.keep(status.key, until)
             except ValueError as e:
                 raise web.HTTPError(400, str(e)) from None
-            return self.write_json(status_model(app, status))
+            return self.write_json(service.model(status))
         if action == "interaction":
             if not self.owns(model, user):
                 raise web.HTTPError(403, "Only the server's owner reports their own interaction")
             try:
-                app.watcher.record_interaction(status.key)
+                service.interaction(status.key)
             except KeyError:
                 raise web.HTTPError(409, f"{status.key} is {status.state}, not running") from None
-            return self.write_json(status_model(app, status, with_events=False))
+            return self.write_json(service.model(status, with_events=False))
         if action == "suspend":
-            server: Server | None = app.watcher.servers.get(status.key)
-            if server is None or status.state in (State.suspended, State.suspending, State.restoring):
-                raise web.HTTPError(409, f"{status.key} is {status.state}, not running: nothing to suspend")
-            if status.keep_until != EXEMPT_UNTIL:  # "suspend now" ends a keep-running, not an exemption
-                app.watcher.clear_keep(status, f"suspend requested by {model['name']}")
-            app.watcher.start_suspend(server, plain_stop=(app.action == "stop"),
-                                      reason=f"suspend requested by {model['name']}")
-            return self.write_json(status_model(app, status), status=202)
+            try:
+                status = service.suspend_now(status.key, by=model["name"])
+            except NotRunning as e:
+                raise web.HTTPError(409, str(e)) from None
+            return self.write_json(service.model(status), status=202)
         raise web.HTTPError(404)
 
 
@@ -233,7 +178,7 @@ class ServerActionHandler(ServerMixin, APIHandler):
         source = self.gpusnap.jupyter_signal
         if source is not None:
             source.record(key, report)
-        status = self.gpusnap.store.get(key)
+        status = self.service.get(key)
         self.write_json(
             {
                 "server": key,
@@ -246,7 +191,6 @@ class ServerActionHandler(ServerMixin, APIHandler):
 class EventsHandler(APIHandler):
     async def get(self):
         model = self.require_user()
-        app = self.gpusnap
         key = self.get_argument("server", None)
         try:
             limit = int(self.get_argument("limit", "50"))
@@ -259,7 +203,7 @@ class EventsHandler(APIHandler):
                 raise web.HTTPError(403, "Listing every server's events needs custom:gpusnap:read; pass ?server=user/name")
         elif not (self.can_read_all(model) or self.owns(model, key.partition("/")[0])):
             raise web.HTTPError(404, f"No server {key} that you may see")
-        events = app.store.events(key, limit=limit)
+        events = self.service.events(key, limit=limit)
         self.write_json({"events": [{**e, "time": iso(e["time"])} for e in events]})
 
 
@@ -281,7 +225,7 @@ class MakeRoomHandler(APIHandler):
         if node is not None and (not isinstance(node, str) or not node):
             raise web.HTTPError(400, "'node' must be a Kubernetes node name (kubectl get nodes), or left out")
         try:
-            result = await self.gpusnap.watcher.make_room(nbytes, gpu=gpu, node=node)
+            result = await self.service.make_room(nbytes, gpu=gpu, node=node)
         except RoomRequestError as e:
             raise web.HTTPError(400, str(e)) from None
         self.write_json(result)

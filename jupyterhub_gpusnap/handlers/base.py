@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import os
-from datetime import datetime, timezone
 
 from jupyterhub.services.auth import HubOAuth, HubOAuthenticated, check_scopes
 from tornado import web
 
 from ..hubconfig import access_scope
+from ..service import Service
 
 #: The largest request body the service reads (bytes). Its bodies are small JSON objects and
 #: forms; the largest, a server's Jupyter report, is a few kB.
@@ -48,12 +48,6 @@ SECURITY_HEADERS = {
 
 ADMIN_SCOPES = {"custom:gpusnap:admin", "admin:servers"}
 READ_SCOPES = {"custom:gpusnap:read"} | ADMIN_SCOPES
-
-
-def iso(ts: float | None) -> str | None:
-    if ts is None:
-        return None
-    return datetime.fromtimestamp(ts, timezone.utc).isoformat().replace("+00:00", "Z")
 
 
 def service_access_scope(service_prefix: str) -> str:
@@ -109,6 +103,11 @@ class BaseHandler(HubOAuthenticated, web.RequestHandler):
     @property
     def gpusnap(self):
         return self.settings["gpusnap"]
+
+    @property
+    def service(self) -> Service:
+        """What handlers may ask of the service (never the watcher itself)."""
+        return self.gpusnap.service
 
     @property
     def hub_auth(self):

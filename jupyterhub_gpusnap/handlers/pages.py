@@ -12,7 +12,7 @@ from jupyterhub.services.auth import HubOAuth
 from tornado import web
 
 from ..model import State, server_key
-from .api import parse_until, status_model
+from .api import parse_until
 from .base import BaseHandler
 
 #: What the history and admin pages count as a server's snapshots and restores.
@@ -220,7 +220,7 @@ class PageHandler(BaseHandler):
         )
         if not allowed:
             raise web.HTTPError(404, f"No server {server_key(user, name)} that you may see")
-        status = self.gpusnap.store.get(server_key(user, name))
+        status = self.service.get(server_key(user, name))
         if status is None:
             raise web.HTTPError(
                 404,
@@ -235,12 +235,12 @@ class UserPage(PageHandler):
 
     @web.authenticated
     async def get(self, user: str | None = None, name: str | None = None) -> None:
-        app = self.gpusnap
+        service = self.service
         if user is None:
-            mine = [s for s in app.store.all() if s.user == self.current_user["name"]]
-            servers = [status_model(app, s) for s in sorted(mine, key=lambda s: s.key)]
+            mine = [s for s in service.all() if s.user == self.current_user["name"]]
+            servers = [service.model(s) for s in sorted(mine, key=lambda s: s.key)]
         else:
-            servers = [status_model(app, self.find(user, name))]
+            servers = [service.model(self.find(user, name))]
         self.render_page("user.html", servers=servers, single=user is not None)
 
 
@@ -250,7 +250,7 @@ class KeepPage(PageHandler):
     @web.authenticated
     async def get(self, user: str, name: str | None = None) -> None:
         status = self.find(user, name, write=True)
-        self.render_page("keep.html", s=status_model(self.gpusnap, status), done=False)
+        self.render_page("keep.html", s=self.service.model(status), done=False)
 
     @web.authenticated
     async def post(self, user: str, name: str | None = None) -> None:
@@ -266,7 +266,7 @@ class KeepPage(PageHandler):
                 raise web.HTTPError(400, "Choose how long to keep the server running") from None
         until = parse_until(body, time.time())
         try:
-            status = self.gpusnap.watcher.request_keep(status.key, until)
+            status = self.service.keep(status.key, until)
         except (KeyError, ValueError) as e:
             raise web.HTTPError(400, str(e)) from None
         self.gpusnap.log.info(
@@ -275,7 +275,7 @@ class KeepPage(PageHandler):
             status.keep_until,
             self.current_user["name"],
         )
-        self.render_page("keep.html", s=status_model(self.gpusnap, status), done=True)
+        self.render_page("keep.html", s=self.service.model(status), done=True)
 
 
 class AdminPage(PageHandler):
@@ -289,14 +289,14 @@ class AdminPage(PageHandler):
                 "The admin page needs the custom:gpusnap:read scope (ask your hub admin for the gpusnap-readers role)",
             )
         app = self.gpusnap
-        statuses = sorted(app.store.all(), key=lambda s: s.key)
+        statuses = sorted(self.service.all(), key=lambda s: s.key)
         servers = []
         for s in statuses:
-            m = status_model(app, s)
+            m = self.service.model(s)
             last = next((e for e in m["events"] if e["kind"] == "suspend"), None)
             m["last_snapshot"] = (last or {}).get("detail") or {}
             servers.append(m)
-        events = app.store.events(None, limit=5000)
+        events = self.service.events(None, limit=5000)
         suspended = {s.key for s in statuses if s.state == State.suspended}
         counts: dict[str, int] = {}
         for m in servers:
