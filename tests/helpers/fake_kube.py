@@ -189,7 +189,10 @@ class Workload:
         from . import oci_runtime
 
         box = oci_runtime.Container(
-            self.folder / "pods", oci_runtime.PodSandbox.new(), ["sleep", "infinity"], home=self.volume
+            self.folder / "pods",
+            oci_runtime.PodSandbox.new(),
+            ["sleep", "infinity"],
+            home=self.volume,
         ).start()
         self._placeholders = [*getattr(self, "_placeholders", []), box]
         return box
@@ -1272,7 +1275,9 @@ class Cluster:
         self.secret_file.write_text(AGENT_SECRET + "\n")
         self.tree = NodeTree(self.root / "node")
         self._agent_config = agent_config
-        self.agent = AgentApp(config=self._config_for(NODE, "127.0.0.1", 0, self.tree, self.root / "restore"))
+        self.agent = AgentApp(
+            config=self._config_for(NODE, "127.0.0.1", 0, self.tree, self.root / "restore")
+        )
         await self.agent.start_server()
         self.agents = {NODE: self.agent}
         self.trees = {NODE: self.tree}
@@ -1328,7 +1333,9 @@ class Cluster:
 
         self.kube.add_node(node)
         tree = NodeTree(self.root / f"node-{node}")
-        agent = AgentApp(config=self._config_for(node, ip, self.agent.port, tree, self.root / f"restore-{node}"))
+        agent = AgentApp(
+            config=self._config_for(node, ip, self.agent.port, tree, self.root / f"restore-{node}")
+        )
         await agent.start_server()
         self.agents[node], self.trees[node] = agent, tree
         self.kube.add_pod(

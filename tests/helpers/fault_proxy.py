@@ -84,7 +84,9 @@ class FaultProxy:
                 fault = next((f for f in proxy.faults if f.matches(req.method, req.path)), None)
                 body = req.body if req.method in ("POST", "PUT", "PATCH") else None
                 if fault is None or fault.when == "after":
-                    headers = {k: v for k, v in req.headers.get_all() if k.lower() not in HOP_BY_HOP}
+                    headers = {
+                        k: v for k, v in req.headers.get_all() if k.lower() not in HOP_BY_HOP
+                    }
                     answer = await proxy._client.fetch(
                         HTTPRequest(
                             proxy.upstream + req.uri,
@@ -98,9 +100,13 @@ class FaultProxy:
                         ),
                         raise_error=False,
                     )
-                    proxy.forwarded.append((req.method, req.path, len(req.body or b""), answer.code))
+                    proxy.forwarded.append(
+                        (req.method, req.path, len(req.body or b""), answer.code)
+                    )
                 if fault is not None:
-                    proxy.requests.append((req.method, req.path, len(req.body or b""), fault.status))
+                    proxy.requests.append(
+                        (req.method, req.path, len(req.body or b""), fault.status)
+                    )
                     self.set_status(fault.status)
                     self.set_header("Content-Type", "text/html")
                     self.finish(f"<html><body>{fault.status} Bad Gateway</body></html>")

@@ -14,23 +14,47 @@ from tornado.websocket import websocket_connect
 
 async def new_kernel(base: str, token: str) -> str:
     resp = await AsyncHTTPClient().fetch(
-        HTTPRequest(f"{base}api/kernels", method="POST", body="{}", headers={"Authorization": f"token {token}"})
+        HTTPRequest(
+            f"{base}api/kernels",
+            method="POST",
+            body="{}",
+            headers={"Authorization": f"token {token}"},
+        )
     )
     return json.loads(resp.body)["id"]
 
 
-async def execute(base: str, token: str, kernel: str, code: str, timeout: float = 300) -> tuple[str, float]:
+async def execute(
+    base: str, token: str, kernel: str, code: str, timeout: float = 300
+) -> tuple[str, float]:
     """Run ``code``; return (output text, seconds from sending to the first output)."""
     ws_url = base.replace("http://", "ws://", 1) + f"api/kernels/{kernel}/channels"
     conn = await websocket_connect(HTTPRequest(ws_url, headers={"Authorization": f"token {token}"}))
     msg_id = uuid.uuid4().hex
-    conn.write_message(json.dumps({
-        "header": {"msg_id": msg_id, "username": "", "session": uuid.uuid4().hex, "msg_type": "execute_request",
-                   "version": "5.3", "date": datetime.now(timezone.utc).isoformat()},
-        "parent_header": {}, "metadata": {}, "channel": "shell",
-        "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
-                    "allow_stdin": False},
-    }))
+    conn.write_message(
+        json.dumps(
+            {
+                "header": {
+                    "msg_id": msg_id,
+                    "username": "",
+                    "session": uuid.uuid4().hex,
+                    "msg_type": "execute_request",
+                    "version": "5.3",
+                    "date": datetime.now(timezone.utc).isoformat(),
+                },
+                "parent_header": {},
+                "metadata": {},
+                "channel": "shell",
+                "content": {
+                    "code": code,
+                    "silent": False,
+                    "store_history": False,
+                    "user_expressions": {},
+                    "allow_stdin": False,
+                },
+            }
+        )
+    )
     sent = time.perf_counter()
     first = None
     out = []

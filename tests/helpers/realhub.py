@@ -59,8 +59,6 @@ ADMIN_SCOPES = [
 TEST_PASSWORD = "gpusnap-test-password"
 
 
-
-
 class HubError(AssertionError):
     """The hub did not do what the test asked (carries the tail of the hub log)."""
 
@@ -611,7 +609,11 @@ class Browser:
         return "; ".join(f"{k}={m.value}" for k, m in self.cookies.items())
 
     async def request(
-        self, path_or_url: str, method: str = "GET", body: str | None = None, max_redirects: int = 15
+        self,
+        path_or_url: str,
+        method: str = "GET",
+        body: str | None = None,
+        max_redirects: int = 15,
     ):
         """Fetch, following redirects and keeping cookies; return the final response."""
         from urllib.parse import urljoin

@@ -39,8 +39,6 @@ PASSWORD = "secret"
 PASSWORD_BCRYPT = "$2b$05$abcdefghijklmnopqrstuuOQiyCxlgf/oeuTqixKmWdcYUh4Hjl0a"
 
 
-
-
 def docker_config(path: Path, host: str, user: str = USER, password: str = PASSWORD) -> Path:
     """Write a docker config JSON (the shape of a dockerconfigjson Secret) for ``host``."""
     auth = base64.b64encode(f"{user}:{password}".encode()).decode()
