@@ -548,7 +548,7 @@ class SnapKubeSpawner(RestoreMixin, KubeSpawner):
         self.will_resume = False
         self._restoring = None
 
-    def restored(self, checkpoint: dict, url: str) -> None:
+    def restored(self, checkpoint: dict, url: str) -> str:
         self._restoring = None
         self.gpusnap_state = {
             "restored": {
@@ -559,6 +559,7 @@ class SnapKubeSpawner(RestoreMixin, KubeSpawner):
             "failures": self.gpusnap_state.get("failures", []),
         }
         self.will_resume = False
+        return url
 
     async def start_fresh(self) -> str:
         return await super()._start()

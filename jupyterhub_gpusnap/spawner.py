@@ -332,10 +332,11 @@ class SnapSpawnerMixin(RestoreMixin):
             return f"restored server (pid {self.pid}) exited"
         return ""
 
-    def restored(self, checkpoint: dict, url: str) -> None:
+    def restored(self, checkpoint: dict, url: str) -> tuple[str, int]:
         self.ip, self.port = self._restored_at
         self._restored_pid = 0
         self.gpusnap_state = {}
+        return self.ip, self.port
 
     async def restore_failure_reason(self, checkpoint: dict, error: BaseException) -> str:
         reason = (await super().restore_failure_reason(checkpoint, error)).splitlines()[0]

@@ -56,7 +56,8 @@ class RestoreMixin(LoggingConfigurable):
     - :meth:`restore_checkpoint`: bring the server back (any progress of its own on the
       way) and return the URL where it will answer;
     - :meth:`restore_exited`: why the restored server is gone while it is waited for;
-    - :meth:`restored`: keep what a restored server needs (the checkpoint consumed);
+    - :meth:`restored`: keep what a restored server needs (the checkpoint consumed) and
+      return what ``start()`` returns;
     - :meth:`discard_restore`: undo a failed restore, keep the checkpoint for the admin;
     - :meth:`start_fresh`: start a fresh server;
 
@@ -163,8 +164,9 @@ class RestoreMixin(LoggingConfigurable):
         known to be gone)."""
         return ""
 
-    def restored(self, checkpoint: dict, url: str) -> None:
-        """The restored server answers: forget the checkpoint, keep what the server needs."""
+    def restored(self, checkpoint: dict, url: str):
+        """The restored server answers at ``url``: forget the checkpoint, keep what the
+        server needs; return what ``start()`` returns (the URL, or ``(ip, port)``)."""
         raise NotImplementedError
 
     async def discard_restore(self, checkpoint: dict, error: BaseException, reason: str) -> None:
@@ -231,13 +233,13 @@ class RestoreMixin(LoggingConfigurable):
         if token:
             # only now that it runs: reusing it before leaked the Hub's fresh token on failure
             self.api_token = token
-        self.restored(checkpoint, url)
+        started = self.restored(checkpoint, url)
         self.log.info(
             "%s: restored from checkpoint %s at %s in %.2fs",
             self.server_key, checkpoint.get("id"), url, time.monotonic() - t0,
         )  # fmt: skip
         self._emit_text("restored")
-        return url
+        return started
 
     async def _wait_answering(self, url: str, timeout: float) -> None:
         """Wait until the restored server answers HTTP on its API (any non-5xx answer)."""

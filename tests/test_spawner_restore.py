@@ -76,6 +76,7 @@ class HookSpawner(RestoreMixin, Spawner):
     def restored(self, checkpoint, url):
         self.calls.append("restored")
         self.gpusnap_state = {}
+        return url
 
     async def discard_restore(self, checkpoint, error, reason):
         self.calls.append(f"discard: {reason}")
