@@ -141,4 +141,4 @@ class Service:
 
     async def make_room(self, nbytes: int, gpu: int | None = None, node: str | None = None) -> dict:
         """Park idle servers until ``nbytes`` of GPU memory are free (see Watcher.make_room)."""
-        return await self.watcher.make_room(nbytes, gpu=gpu, node=node)
+        return await self.watcher.room.make_room(nbytes, gpu=gpu, node=node)

@@ -1,6 +1,10 @@
-"""One tick of the service: list servers, read their signals, apply the policy, act.
+"""The service's loop: each tick lists servers, reads their signals, applies the policy, acts.
 
-The watcher owns *when*; checkpoint backends own *how*. A server is stopped only
+The policy decides every state change (:mod:`.policy`: ``step`` for a tick's sample,
+``transition`` for everything else); the watcher persists what it returns and carries out
+its effects (:meth:`Watcher.act` for a tick's actions, :meth:`Watcher.execute` for events),
+parking and making room through :class:`~.room.Room`. Handlers reach it only through
+:class:`~.service.Service`. The watcher owns *when*; checkpoint backends own *how*. A server is stopped only
 after its backend returned a verified checkpoint; every failure leaves it running,
 is logged, counted in metrics and recorded as an event the admin page shows.
 """
@@ -19,11 +23,10 @@ from traitlets.config import LoggingConfigurable
 
 from . import metrics
 from .checkpoint.base import CheckpointBackend, CheckpointError, CheckpointRefused
-from .gpu.view import GpuReading, GpuView, local_gpus, pick
 from .hub import HubClient, HubError
 from .model import Sample, Server, State
 from .policy import Decision, Effect, Event, Policy, ServerStatus, clamp_keep, step, transition
-from .procs import tree_pids
+from .room import Room
 from .signals.base import SignalSource
 from .signals.interaction import InteractionLog
 from .store import Store
@@ -131,16 +134,11 @@ class Watcher(LoggingConfigurable):
         self.decisions: dict[str, Decision] = {}
         self._inflight: dict[str, asyncio.Task] = {}
         self._due: list[tuple[float, str, Server, bool, str]] = []  # suspensions decided this tick
-        self._cuda = None
         self._gauges: dict[str, dict] = {}  # per-server metric children (see _gauge)
         self._exported: dict[str, tuple] = {}  # per-server values last set on them
         self._semaphore = asyncio.Semaphore(self.suspend_concurrency)
-        self._room_lock = asyncio.Lock()  # one make-room at a time (API and ticks)
         self._background: set[asyncio.Task] = set()  # unparks an exemption started
-        self._short_gpus: set[tuple[str, int]] = set()  # (node, GPU) below min_free_gpu_memory, nothing to park
-        self._gpu_missing: set[str] = set()  # nodes whose GPU memory the last reading could not read
-        self._free_labels: set[tuple[str, str]] = set()  # gpusnap_gpu_free_bytes children set
-        self._told_no_gpu = False
+        self.room = Room(self)  # parks and unparks; makes room on GPUs
         self.ticks = 0
 
     # ----------------------------------------------------------------- the tick
@@ -172,7 +170,7 @@ class Watcher(LoggingConfigurable):
             watched = [s for s in servers if s.key not in self._inflight]
             samples = await self.read_all(watched, now)
             await self.apply(watched, samples, now)
-            await self.keep_gpu_free()
+            await self.room.keep_gpu_free()
         await self._reconcile_gone(running, now)
         metrics.set_state_counts(self.store.counts_by_state())
         self.ticks += 1
@@ -362,7 +360,7 @@ class Watcher(LoggingConfigurable):
             if restored and info.gpu_count:
                 metrics.GPU_SECONDS_FREED.inc(max(0.0, now - status.state_since) * info.gpu_count)
         started = server.started.timestamp() if server.started else now
-        ids = self._apply(status, "returned", persist=False, now=now, restored=restored, started=started, **detail)
+        ids = self.execute(status, "returned", persist=False, now=now, restored=restored, started=started, **detail)
         metrics.ACTIONS.labels(action="restore", result="ok" if restored else "failed").inc()
         if not restored:
             metrics.FAILURES.labels(kind="restore").inc()
@@ -410,7 +408,7 @@ class Watcher(LoggingConfigurable):
         else:
             self.log.error("%s: suspension interrupted by a service restart; the checkpoint failed and the "
                            "server runs on", key)  # fmt: skip
-        self._apply(status, "interrupted", "suspension interrupted by a service restart", persist=False, now=now,
+        self.execute(status, "interrupted", "suspension interrupted by a service restart", persist=False, now=now,
                     error=why, running=server is not None)  # fmt: skip
         return "running" if server is not None else "failed"
 
@@ -454,7 +452,7 @@ class Watcher(LoggingConfigurable):
             # started once the tick has seen every server, the longest idle first
             self._due.append((-decision.idle_seconds, server.key, server, action == "stop", decision.reason))
         elif action in ("park", "unpark"):
-            await self.park(server, status, unpark=(action == "unpark"))
+            await self.room.park(server, status, unpark=(action == "unpark"))
 
     def _start_due(self) -> None:
         """Start this tick's suspensions, the longest idle first: with more due than
@@ -472,6 +470,10 @@ class Watcher(LoggingConfigurable):
         task.add_done_callback(lambda _: self._inflight.pop(server.key, None))
         return task
 
+    def suspending(self, key: str) -> bool:
+        """Whether a suspension of ``key`` is under way (started by this watcher)."""
+        return key in self._inflight
+
     async def wait_idle(self) -> None:
         """Wait for every suspension under way (tests, shutdown)."""
         while self._inflight:
@@ -484,7 +486,7 @@ class Watcher(LoggingConfigurable):
             if plain_stop or self.backend is None:
                 await self._plain_stop(server, status, reason)
                 return
-            self._apply(status, "suspend_started", reason)
+            self.execute(status, "suspend_started", reason)
             t0 = time.perf_counter()
             try:
                 await self.backend.check(server)
@@ -492,9 +494,9 @@ class Watcher(LoggingConfigurable):
             except CheckpointRefused as e:
                 result = "refused"
                 if e.retry:  # a busy GPU: the server is working; try again on a later tick
-                    self._apply(status, "suspend_refused", str(e))
+                    self.execute(status, "suspend_refused", str(e))
                 else:
-                    self._apply(status, "suspend_failed", str(e))
+                    self.execute(status, "suspend_failed", str(e))
                 metrics.ACTIONS.labels(action="suspend", result=result).inc()
                 self.log.warning("%s: suspension refused: %s", key, e)
                 return
@@ -503,7 +505,7 @@ class Watcher(LoggingConfigurable):
                 self.log.error("%s: suspension failed, server left running: %s", key, why)
                 metrics.ACTIONS.labels(action="suspend", result="failed").inc()
                 metrics.FAILURES.labels(kind="suspend").inc()
-                self._apply(status, "suspend_failed", why)
+                self.execute(status, "suspend_failed", why)
                 return
             metrics.ACTION_SECONDS.labels(action="suspend").observe(time.perf_counter() - t0)
             await self._finish_suspension(status, info, reason)
@@ -529,7 +531,7 @@ class Watcher(LoggingConfigurable):
         if recovered:
             detail["recovered"] = True
         await self._notify("suspended", status, info.id, detail, wait_claim=True)
-        self._apply(status, "suspended", reason, checkpoint=info.id, record=detail)
+        self.execute(status, "suspended", reason, checkpoint=info.id, record=detail)
         metrics.ACTIONS.labels(action="suspend", result="ok").inc()
         self.log.info("%s: suspended to checkpoint %s (%d bytes)%s", key, info.id, info.image_bytes,
                       " at recovery" if recovered else "")  # fmt: skip
@@ -545,247 +547,14 @@ class Watcher(LoggingConfigurable):
             await self.hub.stop_server(server.user, server.name)
         except HubError as e:
             metrics.ACTIONS.labels(action="stop", result="failed").inc()
-            self._apply(status, "stop_failed", str(e))
+            self.execute(status, "stop_failed", str(e))
             return
-        self._apply(status, "stopped", reason, persist=False)
+        self.execute(status, "stopped", reason, persist=False)
         metrics.ACTIONS.labels(action="stop", result="ok").inc()
         self.log.info("%s: stopped (no checkpoint: rule action 'stop'): %s", server.key, reason)
 
-    @property
-    def cuda(self):
-        """The CUDA checkpoint layer used for parking (one per watcher; a no-op without a driver)."""
-        if self._cuda is None:
-            from .gpu.cuda import CudaCheckpoint
-
-            self._cuda = CudaCheckpoint(parent=self)
-        return self._cuda
-
-    async def park(
-        self, server: Server, status: ServerStatus, unpark: bool = False, reason: str = "", detail: dict | None = None
-    ):
-        """Park (or unpark) a server's GPU memory; returns the ParkResult, or None if refused/failed."""
-        from .gpu.park import park
-        from .gpu.park import unpark as do_unpark
-
-        action = "unpark" if unpark else "park"
-        # a backend whose servers run elsewhere (Kubernetes: the node agent) parks them itself
-        remote = self.backend.park if self.backend is not None and self.backend.supports_park else None
-        t0 = time.perf_counter()
-        try:
-            if remote is not None:
-                result = await remote(server, unpark=unpark)
-            else:
-                pids = tree_pids(server.pid)
-                result = await (do_unpark(pids, self.cuda) if unpark else park(pids, self.cuda))
-        except CheckpointRefused as e:
-            metrics.ACTIONS.labels(action=action, result="refused").inc()
-            self.log.info("%s: %s refused: %s", server.key, action, e)
-            if not unpark:
-                self._apply(status, "park_refused", f"park refused: {e}")
-            return None
-        except Exception as e:
-            metrics.ACTIONS.labels(action=action, result="failed").inc()
-            metrics.FAILURES.labels(kind=action).inc()
-            self.log.error("%s: %s failed: %s", server.key, action, e)
-            return None
-        metrics.ACTION_SECONDS.labels(action=action).observe(time.perf_counter() - t0)
-        metrics.ACTIONS.labels(action=action, result="ok").inc()
-        event = {"bytes": result.bytes_moved, "seconds": round(result.seconds, 3), "pids": result.pids}
-        if reason:
-            event["reason"] = reason
-        event.update(detail or {})
-        self.store.record_event(server.key, action, event)
-        return result
-
-    @property
-    def nvml(self):
-        """NVML as the CUDA checkpoint layer uses it (GPU free memory and per-process memory)."""
-        cuda = self.cuda
-        if cuda.nvml is None:
-            from .gpu.nvml import Nvml
-
-            cuda.nvml = Nvml()
-        return cuda.nvml
-
-    def _room_candidates(self, now: float, min_idle: float) -> list[tuple[float, str, Server, ServerStatus]]:
-        """Servers make-room may park: idle by every signal for ``min_idle`` s, holding GPU memory."""
-        out = []
-        with self.store.batch(preload=True):  # one read of every row (joins a tick's batch)
-            for key, server in self.servers.items():
-                status = self.store.get(key)
-                if status is None or status.state not in (State.idle, State.warned) or key in self._inflight:
-                    continue
-                held = (status.last_sample or {}).get("gpu_memory_bytes") or 0
-                idle_since = max(status.last_active, status.started, status.restored_at or 0.0)
-                if held > 0 and now - idle_since >= min_idle:
-                    out.append((status.last_active, key, server, status))
-        out.sort(key=lambda c: (c[0], c[1]))
-        return out
-
-    async def _gpu_view(self, servers: list[Server]) -> GpuReading:
-        """Every GPU's free memory and the bytes each of ``servers`` holds on it.
-
-        From the backend where servers run elsewhere (Kubernetes: the node agents, per
-        node), else from NVML on this machine (servers by their process trees). No GPUs,
-        with the reason, where GPU memory cannot be freed (no NVML, or no CUDA
-        checkpoint API here).
-        """
-        remote = (
-            self.backend.gpu_memory
-            if self.backend is not None and self.backend.supports_gpu_memory
-            else None
-        )
-        if remote is not None:
-            reading = await remote(servers)
-        elif not self.cuda.available():
-            reading = GpuReading(missing={"": self.cuda.reason or "no CUDA checkpoint API"})
-        else:
-            gpus = await asyncio.to_thread(local_gpus, self.nvml, servers)
-            reading = GpuReading(gpus, {} if gpus else {"": self.nvml.reason or "no GPU"})
-        if reading.gpus:  # some GPUs read: say which nodes could not be, when that changes
-            missing = set(reading.missing)
-            for place in sorted(missing - self._gpu_missing):
-                self.log.warning("free GPU memory of node %s not read: %s", place or "?", reading.missing[place])
-            for place in sorted(self._gpu_missing - missing):
-                self.log.info("free GPU memory of node %s read again", place or "?")
-            self._gpu_missing = missing
-        return reading
-
-    async def make_room(self, nbytes: int, gpu: int | None = None, node: str | None = None,
-                        min_idle: float = 0.0, trigger: str = "api") -> dict:  # fmt: skip
-        """Park idle servers, the longest idle first, until ``nbytes`` of GPU memory are freed.
-
-        Only servers idle by every signal (``idle`` or ``warned``) for at least ``min_idle``
-        seconds that hold GPU memory are candidates; active, exempt and kept-running servers
-        are never parked, and a server whose GPU is busy refuses (the driver lock times
-        out). With ``gpu`` (a device index) and/or ``node`` (a Kubernetes node name) only
-        servers holding memory on those GPUs count, and only their bytes on them. On a hub
-        with GPUs on several nodes, ``gpu`` needs ``node``: :class:`RoomRequestError` says
-        so, as it does for a node with no known GPU. ``trigger`` (api,
-        min_free_gpu_memory) labels the metrics and the park events.
-        """
-        async with self._room_lock:
-            candidates = self._room_candidates(self.clock(), min_idle)
-            if gpu is None and node is None:
-                return await self._park_for_room(nbytes, candidates, None, {}, trigger)
-            reading = await self._gpu_view([c[2] for c in candidates])
-            views = pick(reading.gpus, gpu, node)
-            held: dict[str, int] = {}
-            for view in views:
-                for key, n in view.held.items():
-                    held[key] = held.get(key, 0) + n
-            place: dict = {} if gpu is None else {"gpu": gpu}
-            nodes = {v.node for v in views}
-            if node is not None:
-                place["node"] = node
-            elif len(nodes) == 1 and "" not in nodes:
-                place["node"] = nodes.pop()  # the hub's only GPU node
-            return await self._park_for_room(nbytes, candidates, held, place, trigger)
-
-    async def _park_for_room(self, nbytes: int, candidates: list, held: dict[str, int] | None, place: dict,
-                             trigger: str) -> dict:  # fmt: skip
-        """Park ``candidates`` in order until ``nbytes`` are freed (callers hold _room_lock).
-
-        ``held``: each server's bytes on the GPUs asked about (only those servers are
-        parked, and only those bytes count); None: any GPU, counting the bytes each park
-        moved. ``place`` (``gpu``, ``node``) goes into the events and the answer.
-        """
-        where = ""
-        if "gpu" in place:
-            where += f" on GPU {place['gpu']}"
-        if place.get("node"):
-            where += f" of node {place['node']}" if "gpu" in place else f" on node {place['node']}"
-        freed, parked = 0, []
-        for _, key, server, status in candidates:
-            if freed >= nbytes:
-                break
-            if (held is not None and not held.get(key)) or status.state not in (State.idle, State.warned):
-                continue  # not on these GPUs, or parked meanwhile to make room on another
-            result = await self.park(server, status, reason=f"make room for {nbytes} bytes{where}",
-                                     detail={"trigger": trigger, **place})  # fmt: skip
-            if result is not None and result.bytes_moved:
-                freed += held[key] if held is not None else result.bytes_moved
-                parked.append(key)
-                self._apply(status, "parked", f"parked to make room on the GPU ({trigger})")
-        enough = freed >= nbytes
-        metrics.MAKE_ROOM.labels(trigger=trigger, result="enough" if enough else "short").inc()
-        if freed:
-            metrics.MAKE_ROOM_BYTES.labels(trigger=trigger).inc(freed)
-        if parked or trigger == "api":
-            self.log.info("make room for %d bytes%s (%s): freed %d by parking %s", nbytes, where, trigger,
-                          freed, ", ".join(parked) or "nothing")  # fmt: skip
-        return {"requested_bytes": nbytes, "freed_bytes": freed, "parked": parked, "enough": enough, **place}
-
-    def _export_free(self, gpus: list[GpuView]) -> None:
-        """gpusnap_gpu_free_bytes{node, gpu} of each GPU read; GPUs no longer read are dropped."""
-        seen = {(v.node, str(v.index)) for v in gpus}
-        for labels in self._free_labels - seen:
-            try:
-                metrics.GPU_FREE_BYTES.remove(*labels)
-            except KeyError:
-                pass
-        self._free_labels = seen
-        for view in gpus:
-            metrics.GPU_FREE_BYTES.labels(node=view.node, gpu=str(view.index)).set(view.free_bytes)
-
-    async def keep_gpu_free(self) -> list[dict]:
-        """Make room on each GPU with less free memory than :attr:`min_free_gpu_memory`.
-
-        Called once per tick; returns the make-room result of each GPU that was short
-        (on Kubernetes, each GPU of each node, read from the node agents). Does nothing
-        when the setting is 0, or without NVML or the driver's checkpoint API.
-        """
-        target = self.min_free_gpu_memory
-        if target <= 0:
-            return []
-        async with self._room_lock:
-            candidates = self._room_candidates(self.clock(), self.min_free_gpu_memory_idle)
-            servers = [c[2] for c in candidates]
-            local = self.backend is None or not self.backend.supports_gpu_memory
-            # on this machine, who holds what (a /proc walk per server) only once a GPU is short
-            reading = await self._gpu_view([] if local else servers)
-            if local and servers and any(v.free_bytes < target for v in reading.gpus):
-                reading = await self._gpu_view(servers)
-            self._export_free(reading.gpus)
-            if not reading.gpus:
-                if not self._told_no_gpu:
-                    self._told_no_gpu = True
-                    self.log.info("min_free_gpu_memory is set but GPU memory cannot be freed here (%s)",
-                                  reading.why_none())  # fmt: skip
-                return []
-            results, parked = [], set()
-            for view in reading.gpus:
-                gpu = (view.node, view.index)
-                # servers parked for an earlier GPU of this pass freed their bytes on this one too
-                have = view.free_bytes + sum(view.held.get(key, 0) for key in parked)
-                if have >= target:
-                    if gpu in self._short_gpus:
-                        self._short_gpus.discard(gpu)
-                        self.log.info("%s: %d bytes free, min_free_gpu_memory %d met again", view.label, have, target)
-                    continue
-                if not view.can_park:
-                    if gpu not in self._short_gpus:
-                        self._short_gpus.add(gpu)
-                        self.log.warning(
-                            "%s: %d bytes free, below min_free_gpu_memory %d, but its node has no CUDA "
-                            "checkpoint API to park with (NVIDIA driver >= 570 needed)", view.label, have, target,
-                        )  # fmt: skip
-                    continue
-                place = {"gpu": view.index, "node": view.node} if view.node else {"gpu": view.index}
-                result = await self._park_for_room(target - have, candidates, view.held, place, "min_free_gpu_memory")
-                parked.update(result["parked"])
-                results.append(result)
-                if not result["enough"] and gpu not in self._short_gpus:
-                    self._short_gpus.add(gpu)  # said once per shortage, not every tick
-                    self.log.warning(
-                        "%s: %d bytes free, below min_free_gpu_memory %d, and no other server idle for "
-                        "min_free_gpu_memory_idle (%gs) holds memory on it",
-                        view.label, have + result["freed_bytes"], target, self.min_free_gpu_memory_idle,
-                    )  # fmt: skip
-            return results
-
-    def _apply(self, status: ServerStatus, kind: str, reason: str = "", persist: bool = True,
-               now: float | None = None, **detail) -> dict[str, int]:  # fmt: skip
+    def execute(self, status: ServerStatus, kind: str, reason: str = "", persist: bool = True,
+                now: float | None = None, **detail) -> dict[str, int]:  # fmt: skip
         """The one executor of the policy's :func:`~.policy.transition` outside a tick's sample.
 
         Runs event ``kind`` through it, updates ``status`` (the caller's object) to the result,
@@ -814,7 +583,7 @@ class Watcher(LoggingConfigurable):
             elif effect.action == "unpark":
                 server = self.servers.get(status.key)
                 if server is not None:
-                    task = asyncio.ensure_future(self.park(server, status, unpark=True))
+                    task = asyncio.ensure_future(self.room.park(server, status, unpark=True))
                     self._background.add(task)
                     task.add_done_callback(self._background.discard)
         return ids
@@ -846,7 +615,7 @@ class Watcher(LoggingConfigurable):
         """Drop a keep-running request (a manual "suspend now" ends it)."""
         if status.keep_until is None:
             return
-        self._apply(status, "keep_ended", why)
+        self.execute(status, "keep_ended", why)
         self.log.info("%s: keep-running ended (%s)", status.key, why)
 
     def request_keep(self, key: str, until: float) -> ServerStatus:
@@ -858,7 +627,7 @@ class Watcher(LoggingConfigurable):
         server = self.servers.get(key)
         rule = self.policy.rule_for(server) if server else self.policy.default
         until = clamp_keep(until, self.clock(), rule)
-        self._apply(status, "keep", "keep running requested", until=until)
+        self.execute(status, "keep", "keep running requested", until=until)
         self.log.info("%s: kept running until %s", key, time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(status.keep_until)))
         return status
 
@@ -868,5 +637,5 @@ class Watcher(LoggingConfigurable):
         if status is None:
             raise KeyError(key)
         kind, words = ("exempt", "exempted") if exempt else ("exempt_lifted", "exemption lifted")
-        self._apply(status, kind, f"{words} by {by}")
+        self.execute(status, kind, f"{words} by {by}")
         return status

@@ -823,11 +823,11 @@ async def test_backend_parks_and_unparks_a_pods_gpu_memory_through_the_agent(tmp
             hub=None, store=store, policy=Policy([], Rule()), sources=[], backend=backend
         )
         status = ServerStatus(key="alice/", user="alice", state=State.idle)
-        result = await watcher.park(alice(), status, reason="test")
+        result = await watcher.room.park(alice(), status, reason="test")
         assert result.bytes_moved == 3 << 30 and libcuda.states[work.pid] == CHECKPOINTED
         (event,) = [e for e in store.events("alice/") if e["kind"] == "park"]
         assert event["detail"]["bytes"] == 3 << 30 and event["detail"]["pids"] == [work.pid]
-        await watcher.park(alice(), status, unpark=True)
+        await watcher.room.park(alice(), status, unpark=True)
         assert libcuda.states[work.pid] == RUNNING
     finally:
         work.stop()

@@ -178,7 +178,7 @@ async def test_make_room_on_a_gpu_of_a_node_parks_only_idle_servers_there(
         (erin, State.idle, 300, 10 * U),
     ])  # fmt: skip
 
-    result = await watcher.make_room(25 * U, gpu=0, node=NODE)
+    result = await watcher.room.make_room(25 * U, gpu=0, node=NODE)
 
     assert result == {"requested_bytes": 25 * U, "freed_bytes": 30 * U, "parked": ["alice/"],
                       "enough": True, "gpu": 0, "node": NODE}  # fmt: skip
@@ -198,7 +198,7 @@ async def test_make_room_on_a_gpu_of_a_node_parks_only_idle_servers_there(
     assert "on GPU 0 of node gpu-node-1" in park["detail"]["reason"]
 
     # more than the GPU's idle servers hold: erin too, and it says it was not enough
-    result = await watcher.make_room(80 * U, gpu=0, node=NODE)
+    result = await watcher.room.make_room(80 * U, gpu=0, node=NODE)
     assert (
         result["parked"] == ["erin/"] and result["freed_bytes"] == 10 * U and not result["enough"]
     )
@@ -206,18 +206,18 @@ async def test_make_room_on_a_gpu_of_a_node_parks_only_idle_servers_there(
     assert node2.states == {carol_pid: RUNNING}
 
     # a node alone: any of its GPUs, counting the bytes on that node only
-    result = await watcher.make_room(U, node=NODE2)
+    result = await watcher.room.make_room(U, node=NODE2)
     assert result["parked"] == ["carol/"] and result["freed_bytes"] == 40 * U
     assert result["node"] == NODE2 and "gpu" not in result
     assert node2.states == {carol_pid: CHECKPOINTED}
 
     # GPU 1 exists on both nodes: the index alone names no GPU; nor does an unknown node
     with pytest.raises(RoomRequestError, match=f'2 nodes \\({NODE}, {NODE2}\\).*"node": "{NODE}"'):
-        await watcher.make_room(U, gpu=1)
+        await watcher.room.make_room(U, gpu=1)
     with pytest.raises(
         RoomRequestError, match="no GPU of node 'gpu-node-9'.*gpu-node-1, gpu-node-2"
     ):
-        await watcher.make_room(U, gpu=1, node="gpu-node-9")
+        await watcher.room.make_room(U, gpu=1, node="gpu-node-9")
     assert node1.states[bob_pid] == RUNNING  # nothing was parked by the refused requests
 
 
@@ -250,7 +250,7 @@ async def test_min_free_gpu_memory_keeps_each_gpu_of_each_node_above_the_floor(
     ], min_free_gpu_memory=25 * U, min_free_gpu_memory_idle=300)  # fmt: skip
 
     with caplog.at_level(logging.INFO, logger=log.name):
-        (result,) = await watcher.keep_gpu_free()
+        (result,) = await watcher.room.keep_gpu_free()
     # 15 U short on node 1's GPU 0: bob (idle longest there) frees 20 U, enough
     assert result == {"requested_bytes": 15 * U, "freed_bytes": 20 * U, "parked": ["bob/"],
                       "enough": True, "gpu": 0, "node": NODE}  # fmt: skip
@@ -266,14 +266,14 @@ async def test_min_free_gpu_memory_keeps_each_gpu_of_each_node_above_the_floor(
 
     # the next tick finds 30 U free on node 1's GPU 0: every GPU is above the floor, nothing happens
     calls = (list(node1.calls), list(node2.calls))
-    assert await watcher.keep_gpu_free() == []
+    assert await watcher.room.keep_gpu_free() == []
     assert (node1.calls, node2.calls) == calls
     assert metric("gpusnap_gpu_free_bytes", node=NODE, gpu="0") == 30 * U
     assert node1.states[alice_pid] == RUNNING and node2.states[carol_pid] == RUNNING
 
     # a higher floor: node 2's GPU 0 is short now and only its own idle servers are parked there
     watcher.min_free_gpu_memory = 35 * U
-    results = await watcher.keep_gpu_free()
+    results = await watcher.room.keep_gpu_free()
     by_node = {r["node"]: r for r in results}
     assert by_node[NODE2]["parked"] == ["carol/"] and by_node[NODE2]["enough"]
     assert node2.states == {carol_pid: CHECKPOINTED, dave_pid: RUNNING}
@@ -283,8 +283,8 @@ async def test_min_free_gpu_memory_keeps_each_gpu_of_each_node_above_the_floor(
     # a third node whose agent has no NVML: the others are still kept, the log names it once
     await cluster.add_gpu_node("gpu-node-3", "127.0.0.3")
     with caplog.at_level(logging.INFO, logger=log.name):
-        assert await watcher.keep_gpu_free() == []
-        assert await watcher.keep_gpu_free() == []
+        assert await watcher.room.keep_gpu_free() == []
+        assert await watcher.room.keep_gpu_free() == []
     said = [r.getMessage() for r in caplog.records if "node gpu-node-3 not read" in r.getMessage()]
     assert len(said) == 1 and "NVML" in said[0]
     assert metric("gpusnap_gpu_free_bytes", node=NODE, gpu="0") == 60 * U
@@ -295,8 +295,8 @@ async def test_min_free_gpu_memory_keeps_each_gpu_of_each_node_above_the_floor(
     watcher.min_free_gpu_memory = 75 * U
     calls = list(node2.calls)
     with caplog.at_level(logging.INFO, logger=log.name):
-        results = await watcher.keep_gpu_free()
-        assert [r["node"] for r in await watcher.keep_gpu_free()] == [NODE]
+        results = await watcher.room.keep_gpu_free()
+        assert [r["node"] for r in await watcher.room.keep_gpu_free()] == [NODE]
     # node 1's GPU 0 is short too, but its only server left is not idle long enough
     assert [(r["node"], r["parked"]) for r in results] == [(NODE, [])]
     assert node2.states[dave_pid] == RUNNING and node2.calls == calls  # the driver was not asked

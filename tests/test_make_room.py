@@ -44,7 +44,7 @@ def watcher_with(tmp_path, pids, states, idle_since):
             [{"name": "NVIDIA H100", "procs": {p: 4 * GiB for p in pids}, "samples": [], "util": 0}]
         )
     )
-    watcher._cuda = CudaCheckpoint(driver=driver, nvml=nvml, log=log)
+    watcher.room._cuda = CudaCheckpoint(driver=driver, nvml=nvml, log=log)
     now = time.time()
     for user, pid, state, since in zip(
         ("alice", "bob", "carol"), pids, states, idle_since, strict=True
@@ -70,7 +70,7 @@ async def test_parks_the_longest_idle_first_until_enough_is_free(tmp_path, three
     watcher, driver = watcher_with(
         tmp_path, three, [State.idle, State.warned, State.active], [300, 900, 0]
     )
-    result = await watcher.make_room(5 * GiB)
+    result = await watcher.room.make_room(5 * GiB)
     assert result["parked"] == ["bob/", "alice/"]  # bob has been idle longest
     assert result["freed_bytes"] == 8 * GiB and result["enough"]
     assert driver.states[bob] == CHECKPOINTED and driver.states[alice] == CHECKPOINTED
@@ -85,11 +85,11 @@ async def test_stops_as_soon_as_enough_and_says_when_it_is_not(tmp_path, three):
     watcher, driver = watcher_with(
         tmp_path, three, [State.idle, State.idle, State.exempt], [300, 900, 9999]
     )
-    result = await watcher.make_room(3 * GiB)
+    result = await watcher.room.make_room(3 * GiB)
     assert result["parked"] == ["bob/"] and result["enough"]
     assert driver.states[alice] == RUNNING
     # more than the idle servers hold: parks what it can and says it was not enough
-    result = await watcher.make_room(64 * GiB)
+    result = await watcher.room.make_room(64 * GiB)
     assert result["parked"] == ["alice/"] and not result["enough"]
     assert driver.states[carol] == RUNNING  # exempt
 
@@ -143,7 +143,7 @@ def shared_watcher(tmp_path, servers, devices, **traits):
                       **traits)  # fmt: skip
     driver = FakeLibcuda([pid for _, pid, _, _ in servers])
     nvml = Nvml(SharedGpus(driver, devices))
-    watcher._cuda = CudaCheckpoint(driver=driver, nvml=nvml, log=log)
+    watcher.room._cuda = CudaCheckpoint(driver=driver, nvml=nvml, log=log)
     now = time.time()
     for user, pid, state, idle in servers:
         server = Server(user=user, state={"pid": pid})
@@ -179,7 +179,7 @@ async def test_min_free_gpu_memory_parks_the_longest_idle_on_the_short_gpu_only(
     runs = metric("gpusnap_make_room_total", trigger="min_free_gpu_memory", result="enough")
     moved = metric("gpusnap_make_room_bytes_total", trigger="min_free_gpu_memory")
 
-    (result,) = await watcher.keep_gpu_free()
+    (result,) = await watcher.room.keep_gpu_free()
     # 25 U short on GPU 0: alice (idle longest there) frees 30 U and that is enough
     assert result == {"requested_bytes": 25 * U, "freed_bytes": 30 * U, "parked": ["alice/"],
                       "enough": True, "gpu": 0}  # fmt: skip
@@ -199,13 +199,13 @@ async def test_min_free_gpu_memory_parks_the_longest_idle_on_the_short_gpu_only(
     assert metric("gpusnap_gpu_free_bytes", node="", gpu="1") == 60 * U
 
     # the next tick finds 35 U free: nothing to do
-    assert await watcher.keep_gpu_free() == []
+    assert await watcher.room.keep_gpu_free() == []
     assert metric("gpusnap_gpu_free_bytes", node="", gpu="0") == 35 * U
     assert driver.states[bob] == RUNNING
 
     # a larger target: bob is next (erin has still not been idle long enough)
     watcher.min_free_gpu_memory = 50 * U
-    (result,) = await watcher.keep_gpu_free()
+    (result,) = await watcher.room.keep_gpu_free()
     assert result["parked"] == ["bob/"] and result["freed_bytes"] == 30 * U and result["enough"]
     assert driver.states[erin] == RUNNING and driver.states[carol] == RUNNING
 
@@ -230,7 +230,7 @@ async def test_min_free_gpu_memory_never_parks_busy_servers_and_says_once_when_s
     refused = metric("gpusnap_actions_total", action="park", result="refused")
 
     with caplog.at_level(logging.INFO, logger=log.name):
-        (result,) = await watcher.keep_gpu_free()
+        (result,) = await watcher.room.keep_gpu_free()
         # 5 U free, 30 short: dave is parked, alice refuses (busy), the rest are not candidates
         assert (
             result["parked"] == ["dave/"]
@@ -250,7 +250,7 @@ async def test_min_free_gpu_memory_never_parks_busy_servers_and_says_once_when_s
         assert len(warnings) == 1 and "GPU 0" in warnings[0].getMessage()
 
         # still short on the next tick (alice still busy): tried again, not said again
-        (result,) = await watcher.keep_gpu_free()
+        (result,) = await watcher.room.keep_gpu_free()
         assert result["parked"] == [] and not result["enough"]
         assert (
             len([r for r in caplog.records if "below min_free_gpu_memory" in r.getMessage()]) == 1
@@ -258,9 +258,9 @@ async def test_min_free_gpu_memory_never_parks_busy_servers_and_says_once_when_s
 
         # the cell ends: alice is parked, the GPU has enough again, and the log says so
         driver.busy.clear()
-        (result,) = await watcher.keep_gpu_free()
+        (result,) = await watcher.room.keep_gpu_free()
         assert result["parked"] == ["alice/"] and result["enough"]
-        assert await watcher.keep_gpu_free() == []
+        assert await watcher.room.keep_gpu_free() == []
         assert any("met again" in r.getMessage() for r in caplog.records)
 
 
@@ -273,7 +273,7 @@ async def test_make_room_on_one_gpu_counts_only_that_gpus_bytes(tmp_path, five):
     servers = [("alice", alice, State.idle, 900), ("bob", bob, State.idle, 600)]
     watcher, driver = shared_watcher(tmp_path, servers, devices)
     # alice holds 34 U, but only 4 on GPU 0: not enough for 10 U there, so bob goes too
-    result = await watcher.make_room(10 * U, gpu=0)
+    result = await watcher.room.make_room(10 * U, gpu=0)
     assert (
         result["parked"] == ["alice/", "bob/"]
         and result["freed_bytes"] == 12 * U
@@ -288,11 +288,11 @@ async def test_min_free_gpu_memory_without_a_gpu_does_nothing(tmp_path, caplog):
     watcher = Watcher(hub=None, store=store, policy=Policy([], Rule()), sources=[], backend=None, log=log,
                       min_free_gpu_memory=8 * U)  # fmt: skip
     with caplog.at_level(logging.INFO, logger=log.name):
-        assert await watcher.keep_gpu_free() == []
-        assert await watcher.keep_gpu_free() == []
+        assert await watcher.room.keep_gpu_free() == []
+        assert await watcher.room.keep_gpu_free() == []
     said = [r for r in caplog.records if "min_free_gpu_memory is set" in r.getMessage()]
     assert len(said) == 1
-    assert not watcher.cuda.available()
+    assert not watcher.room.cuda.available()
     # off by default, and never negative
     assert (
         Watcher(

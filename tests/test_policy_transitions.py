@@ -209,6 +209,7 @@ OWNED = {"state", "state_since", "reason", "failure", "failures", "checkpoint_id
 MERGE = ("_merge_keep", {"keep_until", "exempt"})
 CALLERS = [
     "watcher.py",
+    "room.py",
     "service.py",
     "app.py",
     *(f"handlers/{p.name}" for p in (PACKAGE / "handlers").glob("*.py")),

@@ -89,7 +89,7 @@ async def test_tick_is_paginated_and_decides_every_server(population, tmp_path):
     gpus = SharedGpus(
         driver, [{"name": "NVIDIA H100", "procs": {}, "other": 78 * U, "samples": [], "util": 0}]
     )
-    watcher._cuda = CudaCheckpoint(driver=driver, nvml=Nvml(gpus), log=watcher.log)
+    watcher.room._cuda = CudaCheckpoint(driver=driver, nvml=Nvml(gpus), log=watcher.log)
     watcher.min_free_gpu_memory = 4 * U
     short = metric("gpusnap_make_room_total", trigger="min_free_gpu_memory", result="short")
     await watcher.tick()

@@ -80,14 +80,14 @@ async def test_crash_after_the_claim_sends_no_second_email(hub_factory, tmp_path
         # first start: finishes the suspension, claims and sends the email, then dies before
         # recording the server suspended
         first = make_watcher(hub, db, backend, smtp)
-        real_apply = first._apply
+        real_execute = first.execute
 
         def dies_at_suspended(status, kind, *args, **kwargs):
             if kind == "suspended":
                 raise Killed()
-            return real_apply(status, kind, *args, **kwargs)
+            return real_execute(status, kind, *args, **kwargs)
 
-        first._apply = dies_at_suspended
+        first.execute = dies_at_suspended
         await first.tick()
         [finishing] = first._inflight.values()
         with pytest.raises(Killed):
