@@ -72,17 +72,15 @@ from .base import (
     Suspension,
 )
 from .chunks import PAGE, STORE, ChunkStore, Follower
+from .image_store import ChunksStore, FilesStore, ImageSource, ImageStore, RestoreJob
+from .image_store import drop_image_files as _drop_image_files
 from .keys import Key, KeyFileError, load_keys
 from .manifest import (
     CHUNK_BYTES,
     MANIFEST,
     Manifest,
-    Writeback,
     check_complete,
-    drop_cached,
-    image_files,
     is_pages_file,
-    seal_image,
     verify_image,
 )
 from .page_sums import sums_name, write_sums
@@ -493,6 +491,7 @@ class LocalBackend(CheckpointBackend):
         self._cuda_obj = None
         self._cuda_missing = False
         self._pipe_noted = False
+        self._stores: dict[str, ImageStore] = {}
         self.restored: dict[int, criu.Restored] = {}
         #: checkpoint id -> the task writing its page checksums (restore_mode = 'lazy')
         self.page_sums: dict[str, asyncio.Future] = {}
@@ -558,6 +557,13 @@ class LocalBackend(CheckpointBackend):
             verify_dedup=self.verify_dedup,
             on_damage=self._chunk_damaged,
         )
+
+    def image_store(self, storage: str) -> ImageStore:
+        """The store of a checkpoint's image (``storage``: ``files`` or ``chunks``)."""
+        store = self._stores.get(storage)
+        if store is None:
+            store = self._stores[storage] = (ChunksStore if storage == "chunks" else FilesStore)(self)
+        return store
 
     def _chunk_damaged(self, space: str, cid: str, found_by: str, repaired: bool, what: str) -> None:
         """A chunk was found damaged while written or read (the store's threads call this)."""
@@ -937,10 +943,9 @@ class LocalBackend(CheckpointBackend):
             m.driver_version = cuda.driver_version() or ""
         m.save(folder)
         t1 = time.monotonic()
-        if self.storage == "chunks":  # pack while CRIU writes (chunks.Follower)
-            s.follower = await asyncio.to_thread(self._chunk_store_or_fail().follow, folder)
-        early = self.writeback_during_dump and self.storage == "files"
-        with Writeback(folder) if early else contextlib.nullcontext():
+        store = self.image_store(self.storage)
+        s.follower = await store.begin(folder)
+        with store.writeback(folder):
             await criu.dump(
                 pid,
                 folder,
@@ -970,9 +975,8 @@ class LocalBackend(CheckpointBackend):
         files go, a lazy-mode one gets its page checksums in the background."""
         m, folder = s.manifest, s.folder
         await self.kill_tree(s.pids)
-        if m.storage == "chunks":
-            _drop_image_files(folder)
-        elif self.restore_mode == "lazy":
+        self.image_store(m.storage).after_verified(folder)
+        if m.storage == "files" and self.restore_mode == "lazy":
             # nobody waits for them: a restore that comes first is eager
             cid = self._id(folder)
             self.page_sums[cid] = asyncio.ensure_future(
@@ -1028,7 +1032,8 @@ class LocalBackend(CheckpointBackend):
         return True
 
     async def _verify_dump(self, folder: Path, m: Manifest, follower: Follower | None = None) -> None:
-        """Make a finished dump "verified" (see the module docstring) or raise CheckpointError.
+        """Make a finished dump "verified" (see the module docstring) or raise CheckpointError:
+        complete (CRIU's files and its success line), then sealed by the image store.
 
         Fills ``files``, ``sizes``, ``chunk_bytes``, ``image_bytes`` and ``verification``.
         """
@@ -1036,69 +1041,11 @@ class LocalBackend(CheckpointBackend):
         problems = await asyncio.to_thread(check_complete, folder)
         if problems:
             raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
-        if self.storage == "chunks":
-            await self._pack(folder, m, follower)
-            m.seal_seconds = round(time.monotonic() - t, 3)
-            return
-        chunk = max(0, self.chunk_bytes)
-        m.files, m.sizes, m.image_bytes = await asyncio.to_thread(
-            seal_image, folder, self.pool, chunk
-        )
-        m.chunk_bytes = chunk
-        m.verification = "page-cache"
-        if self.verify_read_back:
-            await asyncio.to_thread(drop_cached, folder)
-            problems = await asyncio.to_thread(
-                verify_image, folder, m.files, chunk_bytes=chunk, sizes=m.sizes, pool=self.pool
-            )
-            if problems:
-                raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
-            m.verification = "read-back"
+        await self.image_store(self.storage).seal(folder, m, follower)
         m.seal_seconds = round(time.monotonic() - t, 3)
 
     def _restore_store(self, m: Manifest, key: str, cid: str) -> ChunkStore:
-        """The chunk store with the key ``m``'s chunks are sealed with, or refuse: a missing
-        key (or key file) is the admin's to put back, and the snapshot stays restorable."""
-        try:
-            store = self.chunk_store()
-            store.require_key(m.key_id)
-        except (KeyFileError, ValueError) as e:
-            raise CheckpointRefused(
-                f"{key}: cannot restore {cid} now: {e}. The snapshot is kept; once the key is "
-                "back in LocalBackend.encryption_key_file the next start restores it"
-            ) from e
-        return store
-
-    def _chunk_store_or_fail(self) -> ChunkStore:
-        try:
-            return self.chunk_store()
-        except KeyFileError as e:
-            raise CheckpointError(str(e)) from e
-
-    async def _pack(self, folder: Path, m: Manifest, follower: Follower | None = None) -> None:
-        """Store the dump in ``folder`` as chunks (durable, checked) and record them in ``m``;
-        ``follower`` has packed part of it while CRIU was writing."""
-        if follower is not None:
-            store = follower.store
-            packed = await asyncio.to_thread(follower.finish, image_files(folder))
-        else:
-            store = self._chunk_store_or_fail()
-            packed = await asyncio.to_thread(store.pack, image_files(folder))
-        m.storage, m.key_id = "chunks", store.space
-        m.chunks = {n: p.chunks for n, p in packed.items()}
-        m.files = {n: p.digest for n, p in packed.items()}
-        m.sizes = {n: p.size for n, p in packed.items()}
-        m.image_bytes = sum(m.sizes.values())
-        m.new_bytes = sum(p.new_bytes for p in packed.values())
-        m.stored_bytes = sum(p.stored_bytes for p in packed.values())
-        m.chunk_bytes = 0
-        m.verification = "page-cache"
-        if self.verify_read_back:
-            await asyncio.to_thread(store.drop_cached, m.key_id, m.chunks)
-            problems = await asyncio.to_thread(store.check, m.key_id, m.chunks)
-            if problems:
-                raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
-            m.verification = "read-back"
+        return self.image_store("chunks").store_for(m, key, cid)
 
     def _seal_token(self, token: str) -> str:
         """The server's API token as the manifest keeps it: sealed when encrypting at rest."""
@@ -1472,85 +1419,9 @@ class LocalBackend(CheckpointBackend):
             if done is not None:
                 return done
 
-        def check(names):
-            return verify_image(
-                folder,
-                m.files,
-                chunk_bytes=m.chunk_bytes,
-                sizes=m.sizes,
-                names=names,
-                pool=self.pool,
-            )
-
-        def damaged(problems: list[str]) -> CheckpointError:
-            return CheckpointError(f"{key}: image {info.id} is damaged: " + "; ".join(problems[:5]))
-
-        images = folder
-        if m.storage == "chunks" and self.restore_streaming:
-            # CRIU reads the image from the streamer, which checks every chunk before CRIU
-            # gets its bytes; the tree is handed out only if the streamer found nothing wrong.
-            store = self._restore_store(m, key, info.id)
-            images = self._stream_dir()
-            threads = self.hash_threads or os.cpu_count() or 1
-            streamer = ChunkStreamer(
-                store, m.key_id, m.chunks, images, window=4 * threads, prefetch=16 * threads,
-                pipe_bytes=self.restore_pipe_bytes,
-            )  # fmt: skip
-            try:
-                streamer.start()
-            except OSError as e:
-                self._unstage(folder, images)
-                raise CheckpointError(f"{key}: cannot start the image streamer in {images}: {e}") from e
-            problems_after = None
-
-            def check_pages() -> asyncio.Future:
-                nonlocal problems_after
-                if problems_after is None:
-                    problems_after = asyncio.ensure_future(asyncio.to_thread(streamer.finish))
-                return problems_after
-
-            try:
-                return await self._restore_tree(
-                    info, folder, images, m, key, check_pages, damaged, restore_started, timeout,
-                    streamer=streamer,
-                )
-            finally:
-                await check_pages()  # the senders have stopped before the folder goes
-                self._unstage(folder, images)
-        if m.storage == "chunks":
-            # Every chunk is checked against its id while it is unpacked: nothing runs from
-            # a damaged image. The unpacked files only feed CRIU and go afterwards.
-            store = self._restore_store(m, key, info.id)
-            images = self._staging(folder, m.image_bytes, key)
-            try:
-                problems = await asyncio.to_thread(store.unpack, m.key_id, m.chunks, m.sizes, images)
-            except BaseException:
-                self._unstage(folder, images)
-                raise
-            if problems:
-                self._unstage(folder, images)
-                raise damaged(problems)
-            pages = []
-        else:
-            small = [n for n in m.files if not is_pages_file(n)]
-            pages = [n for n in m.files if is_pages_file(n)]
-            problems = await asyncio.to_thread(check, small)
-            if problems:
-                raise damaged(problems)
-        def check_pages() -> asyncio.Future:
-            """Checksums of the pages files, hashed from the page cache CRIU just filled
-            (started after CRIU: hashing during it halved CRIU's read speed from the disk)."""
-            if not pages:
-                return asyncio.ensure_future(asyncio.sleep(0, []))
-            return asyncio.ensure_future(asyncio.to_thread(check, pages))
-
-        try:
-            return await self._restore_tree(
-                info, folder, images, m, key, check_pages, damaged, restore_started, timeout
-            )
-        finally:
-            if m.storage == "chunks":
-                self._unstage(folder, images)
+        job = RestoreJob(info, folder, m, key, restore_started, timeout)
+        async with self.image_store(m.storage).restore_source(job) as source:
+            return await self._restore_tree(job, source)
 
     async def _adopt(self, folder: Path, m: Manifest, key: str, cid: str) -> tuple[int, str, int] | None:
         """The server an interrupted restore of this checkpoint left running, if any.
@@ -1673,19 +1544,18 @@ class LocalBackend(CheckpointBackend):
                 shutil.copyfile(log, folder / log.name)
         shutil.rmtree(images, ignore_errors=True)
 
-    async def _restore_tree(
-        self, info, folder, images, m, key, check_pages, damaged, restore_started, timeout,
-        streamer: ChunkStreamer | None = None,
-    ) -> tuple[int, str, int]:
-        """criu restore (from ``images``; through ``streamer``'s socket when given) + GPU
-        restore of a checked image (the second half of :meth:`restore`)."""
-        phases = {"prepare_s": round(time.time() - restore_started, 3)}
+    async def _restore_tree(self, job: RestoreJob, source: ImageSource) -> tuple[int, str, int]:
+        """criu restore (from ``source.images``; through its streamer's socket when it has
+        one) + GPU restore of a checked image (the second half of :meth:`restore`)."""
+        info, folder, m, key = job.info, job.folder, job.manifest, job.key
+        check_pages, damaged, streamer = source.check_pages, job.damaged, source.streamer
+        phases = {"prepare_s": round(time.time() - job.started, 3)}
         m.extra["restore_started"] = boot_clock()  # what _adopt recognises this restore by
         m.save(folder)
         t = time.monotonic()
         try:
             restored = await criu.restore(
-                images,
+                source.images,
                 folder / "restore.pid",
                 criu=self.criu_path,
                 tcp=m.tcp_mode,
@@ -1695,7 +1565,7 @@ class LocalBackend(CheckpointBackend):
                     *self.restore_extra_args,
                     *(["--stream"] if streamer else []),
                 ],
-                timeout=timeout,
+                timeout=job.timeout,
             )
         except CheckpointError as e:
             # A damaged page file is the likelier cause of a failed restore: say so.
@@ -1748,7 +1618,7 @@ class LocalBackend(CheckpointBackend):
         m.status = "restored"
         m.restored_at = time.time()
         m.extra["restored_pid"] = restored.pid
-        m.extra["restore_s"] = round(m.restored_at - restore_started, 3)
+        m.extra["restore_s"] = round(m.restored_at - job.started, 3)
         # where a restore's time goes, for admins and bench/gpu_suspend.py: the GPU restore
         # runs alongside the checks, so gpu_done_s counts from the end of criu
         phases["gpu_done_s"] = round(time.monotonic() - t - phases["criu_s"], 3) if gpu else 0.0
@@ -2022,19 +1892,6 @@ def _rescue_since(folder: Path, m: Manifest) -> float | None:
         return (folder / MANIFEST).stat().st_mtime
     except OSError:
         return m.verified_at
-
-
-def _drop_image_files(folder: Path) -> int:
-    """Delete a checkpoint folder's image files (not its logs or manifest); the bytes freed.
-    For a failed checkpoint, and for the raw files of one kept as chunks."""
-    freed = 0
-    for path in image_files(folder):
-        try:
-            freed += path.stat().st_size
-            path.unlink()
-        except OSError:
-            continue
-    return freed
 
 
 def _dump_finished(folder: Path) -> bool:

@@ -1,0 +1,279 @@
+"""Where a local checkpoint's image is kept: the storage axis of :class:`LocalBackend`,
+apart from what writes the image (CRIU, the dumper).
+
+One interface, :class:`ImageStore`, two stores (``LocalBackend.storage``):
+
+- :class:`FilesStore` (``files``): CRIU's files stay in the checkpoint's folder, each
+  checksummed in the manifest (``manifest.seal_image``); a restore checks the small files
+  first and the pages while CRIU reads them.
+- :class:`ChunksStore` (``chunks``): the files are cut into content-addressed chunks in
+  the shared chunk store (``chunks.py``: deduplicated, compressed, encrypted when a key
+  is set); a restore streams them to CRIU (``streamer.py``) or unpacks them first.
+
+A store is asked at four points of a checkpoint's life: while CRIU writes
+(:meth:`ImageStore.begin`, :meth:`ImageStore.writeback`), when the dump is made durable
+and checked (:meth:`ImageStore.seal`), once it is verified (:meth:`ImageStore.after_verified`)
+and when it is restored (:meth:`ImageStore.restore_source`). The settings are
+``LocalBackend``'s traits, read from the backend each time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .base import CheckpointError, CheckpointInfo, CheckpointRefused
+from .chunks import ChunkStore, Follower
+from .keys import KeyFileError
+from .manifest import (
+    Manifest,
+    Writeback,
+    drop_cached,
+    image_files,
+    is_pages_file,
+    seal_image,
+    verify_image,
+)
+from .streamer import ChunkStreamer
+
+if TYPE_CHECKING:
+    from .local import LocalBackend
+
+
+def drop_image_files(folder: Path) -> int:
+    """Delete a checkpoint folder's image files (not its logs or manifest); the bytes freed.
+    For a failed checkpoint, and for the raw files of one kept as chunks."""
+    freed = 0
+    for path in image_files(folder):
+        try:
+            freed += path.stat().st_size
+            path.unlink()
+        except OSError:
+            continue
+    return freed
+
+
+@dataclass
+class RestoreJob:
+    """One restore of a checked, ``verified`` checkpoint, as its steps need it."""
+
+    info: CheckpointInfo
+    folder: Path
+    manifest: Manifest
+    key: str
+    started: float  # time.time() when the restore began
+    timeout: float
+
+    def damaged(self, problems: list[str]) -> CheckpointError:
+        return CheckpointError(
+            f"{self.key}: image {self.info.id} is damaged: " + "; ".join(problems[:5])
+        )
+
+
+@dataclass
+class ImageSource:
+    """Where CRIU reads a restore's image from, and how its pages are checked.
+
+    ``check_pages()`` starts (once) the check of what CRIU read and returns its future:
+    the problems found (empty: intact). ``streamer`` is set when CRIU reads through it.
+    """
+
+    images: Path
+    check_pages: Callable[[], asyncio.Future]
+    streamer: ChunkStreamer | None = None
+
+
+class ImageStore:
+    """Keeps a local checkpoint's image (see the module docstring)."""
+
+    name = ""
+
+    def __init__(self, backend: LocalBackend):
+        self.backend = backend
+
+    async def begin(self, folder: Path) -> Follower | None:
+        """Before CRIU writes into ``folder``: what follows its writing, if anything."""
+        return None
+
+    def writeback(self, folder: Path) -> contextlib.AbstractContextManager:
+        """A context around the dump (the files store flushes pages as CRIU writes)."""
+        return contextlib.nullcontext()
+
+    async def seal(self, folder: Path, m: Manifest, follower: Follower | None = None) -> None:
+        """Make a complete dump durable and checksummed; fill ``files``, ``sizes``,
+        ``chunk_bytes``, ``image_bytes`` and ``verification`` of ``m``. Raises
+        :class:`CheckpointError` when the image cannot be made so."""
+        raise NotImplementedError
+
+    def after_verified(self, folder: Path) -> None:
+        """Once the checkpoint is verified and its processes are ended."""
+
+    def restore_source(self, job: RestoreJob) -> contextlib.AbstractAsyncContextManager:
+        """An async context giving the :class:`ImageSource` of ``job``; what it made for
+        CRIU (unpacked files, a streamer) is gone when it exits. Raises the job's
+        ``damaged`` error when the image is found damaged before CRIU runs."""
+        raise NotImplementedError
+
+
+class FilesStore(ImageStore):
+    """CRIU's files in the checkpoint's folder, checksummed in the manifest."""
+
+    name = "files"
+
+    def writeback(self, folder: Path) -> contextlib.AbstractContextManager:
+        if self.backend.writeback_during_dump:
+            return Writeback(folder)
+        return contextlib.nullcontext()
+
+    async def seal(self, folder: Path, m: Manifest, follower: Follower | None = None) -> None:
+        b = self.backend
+        chunk = max(0, b.chunk_bytes)
+        m.files, m.sizes, m.image_bytes = await asyncio.to_thread(seal_image, folder, b.pool, chunk)
+        m.chunk_bytes = chunk
+        m.verification = "page-cache"
+        if b.verify_read_back:
+            await asyncio.to_thread(drop_cached, folder)
+            problems = await asyncio.to_thread(
+                verify_image, folder, m.files, chunk_bytes=chunk, sizes=m.sizes, pool=b.pool
+            )
+            if problems:
+                raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
+            m.verification = "read-back"
+
+    @contextlib.asynccontextmanager
+    async def restore_source(self, job: RestoreJob) -> AsyncIterator[ImageSource]:
+        m, folder, pool = job.manifest, job.folder, self.backend.pool
+
+        def check(names):
+            return verify_image(
+                folder, m.files, chunk_bytes=m.chunk_bytes, sizes=m.sizes, names=names, pool=pool
+            )
+
+        small = [n for n in m.files if not is_pages_file(n)]
+        pages = [n for n in m.files if is_pages_file(n)]
+        problems = await asyncio.to_thread(check, small)
+        if problems:
+            raise job.damaged(problems)
+
+        def check_pages() -> asyncio.Future:
+            """Checksums of the pages files, hashed from the page cache CRIU just filled
+            (started after CRIU: hashing during it halved CRIU's read speed from the disk)."""
+            if not pages:
+                return asyncio.ensure_future(asyncio.sleep(0, []))
+            return asyncio.ensure_future(asyncio.to_thread(check, pages))
+
+        yield ImageSource(folder, check_pages)
+
+
+class ChunksStore(ImageStore):
+    """The image as chunks in the shared chunk store under checkpoint_dir."""
+
+    name = "chunks"
+
+    def store_or_fail(self) -> ChunkStore:
+        """The chunk store to write to (a bad key file fails the checkpoint)."""
+        try:
+            return self.backend.chunk_store()
+        except KeyFileError as e:
+            raise CheckpointError(str(e)) from e
+
+    def store_for(self, m: Manifest, key: str, cid: str) -> ChunkStore:
+        """The chunk store with the key ``m``'s chunks are sealed with, or refuse: a missing
+        key (or key file) is the admin's to put back, and the snapshot stays restorable."""
+        try:
+            store = self.backend.chunk_store()
+            store.require_key(m.key_id)
+        except (KeyFileError, ValueError) as e:
+            raise CheckpointRefused(
+                f"{key}: cannot restore {cid} now: {e}. The snapshot is kept; once the key is "
+                "back in LocalBackend.encryption_key_file the next start restores it"
+            ) from e
+        return store
+
+    async def begin(self, folder: Path) -> Follower | None:
+        """Pack while CRIU writes (chunks.Follower)."""
+        return await asyncio.to_thread(self.store_or_fail().follow, folder)
+
+    async def seal(self, folder: Path, m: Manifest, follower: Follower | None = None) -> None:
+        """Store the dump in ``folder`` as chunks (durable, checked) and record them in ``m``;
+        ``follower`` has packed part of it while CRIU was writing."""
+        if follower is not None:
+            store = follower.store
+            packed = await asyncio.to_thread(follower.finish, image_files(folder))
+        else:
+            store = self.store_or_fail()
+            packed = await asyncio.to_thread(store.pack, image_files(folder))
+        m.storage, m.key_id = "chunks", store.space
+        m.chunks = {n: p.chunks for n, p in packed.items()}
+        m.files = {n: p.digest for n, p in packed.items()}
+        m.sizes = {n: p.size for n, p in packed.items()}
+        m.image_bytes = sum(m.sizes.values())
+        m.new_bytes = sum(p.new_bytes for p in packed.values())
+        m.stored_bytes = sum(p.stored_bytes for p in packed.values())
+        m.chunk_bytes = 0
+        m.verification = "page-cache"
+        if self.backend.verify_read_back:
+            await asyncio.to_thread(store.drop_cached, m.key_id, m.chunks)
+            problems = await asyncio.to_thread(store.check, m.key_id, m.chunks)
+            if problems:
+                raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
+            m.verification = "read-back"
+
+    def after_verified(self, folder: Path) -> None:
+        """CRIU's raw files are the server's memory, unencrypted: gone once packed."""
+        drop_image_files(folder)
+
+    @contextlib.asynccontextmanager
+    async def restore_source(self, job: RestoreJob) -> AsyncIterator[ImageSource]:
+        b, m, folder, key = self.backend, job.manifest, job.folder, job.key
+        store = self.store_for(m, key, job.info.id)
+        if b.restore_streaming:
+            # CRIU reads the image from the streamer, which checks every chunk before CRIU
+            # gets its bytes; the tree is handed out only if the streamer found nothing wrong.
+            images = b._stream_dir()
+            threads = b.hash_threads or os.cpu_count() or 1
+            streamer = ChunkStreamer(
+                store, m.key_id, m.chunks, images, window=4 * threads, prefetch=16 * threads,
+                pipe_bytes=b.restore_pipe_bytes,
+            )  # fmt: skip
+            try:
+                streamer.start()
+            except OSError as e:
+                b._unstage(folder, images)
+                raise CheckpointError(
+                    f"{key}: cannot start the image streamer in {images}: {e}"
+                ) from e
+            problems_after = None
+
+            def check_pages() -> asyncio.Future:
+                nonlocal problems_after
+                if problems_after is None:
+                    problems_after = asyncio.ensure_future(asyncio.to_thread(streamer.finish))
+                return problems_after
+
+            try:
+                yield ImageSource(images, check_pages, streamer)
+            finally:
+                await check_pages()  # the senders have stopped before the folder goes
+                b._unstage(folder, images)
+            return
+        # Every chunk is checked against its id while it is unpacked: nothing runs from
+        # a damaged image. The unpacked files only feed CRIU and go afterwards.
+        images = b._staging(folder, m.image_bytes, key)
+        try:
+            problems = await asyncio.to_thread(store.unpack, m.key_id, m.chunks, m.sizes, images)
+        except BaseException:
+            b._unstage(folder, images)
+            raise
+        if problems:
+            b._unstage(folder, images)
+            raise job.damaged(problems)
+        try:
+            yield ImageSource(images, lambda: asyncio.ensure_future(asyncio.sleep(0, [])))
+        finally:
+            b._unstage(folder, images)
