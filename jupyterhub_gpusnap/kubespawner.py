@@ -216,10 +216,6 @@ class SnapKubeSpawner(RestoreMixin, KubeSpawner):
         """,
     ).tag(config=True)
 
-    @default("server_poll_interval")
-    def _default_server_poll_interval(self) -> float:
-        return 0.5
-
     restore_failures_kept = Integer(
         5,
         help="How many past restore failures the spawner state keeps for admins to read.",

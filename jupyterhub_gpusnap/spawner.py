@@ -82,10 +82,6 @@ class SnapSpawnerMixin(RestoreMixin):
         fresh servers and leaves checkpoints on disk (retention removes them).""",
     ).tag(config=True)
 
-    @default("restore_timeout")
-    def _default_restore_timeout(self) -> float:
-        return 300.0
-
     @default("server_poll_interval")
     def _default_server_poll_interval(self) -> float:
         return 0.1

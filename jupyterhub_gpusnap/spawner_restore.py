@@ -65,6 +65,7 @@ class RestoreMixin(LoggingConfigurable):
     """
 
     restore_timeout = Float(
+        300.0,
         help="""Seconds a whole restore (the checkpoint brought back, GPU memory included, and
         the server answering) may take before it counts as failed and a fresh server is
         started instead. Large GPU images need more: roughly 1 s per GiB on a local disk.
@@ -73,6 +74,7 @@ class RestoreMixin(LoggingConfigurable):
     ).tag(config=True)
 
     server_poll_interval = Float(
+        0.5,
         help="Seconds between checks that a restored server answers.",
     ).tag(config=True)
 
