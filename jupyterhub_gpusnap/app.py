@@ -395,7 +395,15 @@ class GpuSnap(Application):
         if self.email:
             from .notify import ServiceNotifier
 
-            self.notifier = ServiceNotifier(parent=self, sent_log=self.store, app=self)
+            self.notifier = ServiceNotifier(
+                parent=self,
+                sent_log=self.store,
+                public_url=self.public_url,
+                service_prefix=self.service_prefix,
+                max_keep_running=self.max_keep_running,
+                hub=self.hub,
+                backend=self.backend,
+            )
         self.watcher = Watcher(
             parent=self,
             hub=self.hub,

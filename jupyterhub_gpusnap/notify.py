@@ -971,9 +971,29 @@ class ServiceNotifier(Notifier):
     suspension.
     """
 
-    app = traitlets.Any(
-        help="""The service application: ``public_url``, ``service_prefix``,
-        ``max_keep_running`` and ``hub`` (its Hub API client) are read from it."""
+    # What the service hands over (not settings: the service's own settings, passed on).
+    public_url = Unicode(
+        "", help="""The Hub's public URL (``GpuSnap.public_url``): the base of every link."""
+    )
+    service_prefix = Unicode(
+        "/services/gpusnap/",
+        help="""The service's URL prefix (``GpuSnap.service_prefix``), for its pages' links.""",
+    )
+    max_keep_running = Float(
+        None,
+        allow_none=True,
+        help="""``GpuSnap.max_keep_running``: the longest "keep running" a warning offers.""",
+    )
+    hub = traitlets.Any(
+        None,
+        help="""The service's Hub API client (a :class:`~jupyterhub_gpusnap.hub.HubClient`), to
+        read a user's auth_state for the address; None: no auth_state.""",
+    )
+    backend = traitlets.Any(
+        None,
+        help="""The service's checkpoint backend (a
+        :class:`~jupyterhub_gpusnap.checkpoint.base.CheckpointBackend`), whose
+        ``retention_days`` the emails quote; None: no number.""",
     )
 
     keep_path = Unicode(
@@ -1006,8 +1026,7 @@ class ServiceNotifier(Notifier):
         None: no number to quote."""
         if self.retention_days is not None:
             return self.retention_days
-        backend = getattr(self.app, "backend", None)  # None until the service has made one
-        days = backend.retention_days if backend is not None else None
+        days = self.backend.retention_days if self.backend is not None else None
         return days if days else None
 
     @default("mailer")
@@ -1015,8 +1034,8 @@ class ServiceNotifier(Notifier):
         return Mailer(parent=self, on_failure=_count_failure)
 
     def _urls(self, user: str, name: str) -> dict:
-        public = (getattr(self.app, "public_url", "") or "").rstrip("/")
-        prefix = getattr(self.app, "service_prefix", "") or "/services/gpusnap/"
+        public = self.public_url.rstrip("/")
+        prefix = self.service_prefix or "/services/gpusnap/"
         service = public + "/" + prefix.strip("/") + "/"
         u, n = quote(user, safe=""), quote(name, safe="")
         fields = {"server": f"{u}/{n}", "user": u, "name": n}
@@ -1057,7 +1076,7 @@ class ServiceNotifier(Notifier):
         idle_seconds = detail.get("idle_seconds")
         if idle_seconds is None and status.last_active:
             idle_seconds = max(0.0, (detail.get("created") or now) - status.last_active)
-        max_keep = getattr(self.app, "max_keep_running", None)
+        max_keep = self.max_keep_running
         ctx = {
             **self._urls(status.user, status.name),
             "username": status.user,
@@ -1084,11 +1103,10 @@ class ServiceNotifier(Notifier):
         return ctx
 
     async def _auth_state(self, user: str) -> dict | None:
-        hub = getattr(self.app, "hub", None)
-        if hub is None:
+        if self.hub is None:
             return None
         try:
-            model = await hub.get_user(user)
+            model = await self.hub.get_user(user)
         except Exception as exc:
             self.log.warning(
                 "Cannot read auth_state of %s for email (%s); give the service the "

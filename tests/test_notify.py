@@ -490,7 +490,10 @@ async def test_service_cycle_with_a_real_hub(hub_factory, smtp, log, tmp_path):
     def service_notifier(store: Store) -> ServiceNotifier:
         n = ServiceNotifier(
             sent_log=store,
-            app=app,
+            public_url=app.public_url,
+            service_prefix=app.service_prefix,
+            max_keep_running=app.max_keep_running,
+            hub=app.hub,
             mailer=make_mailer(smtp, log),
             address_from="auth_state",
             auth_state_key="oauth_user.email",
@@ -800,7 +803,9 @@ async def test_emails_quote_the_backends_retention(smtp, log, tmp_path):
 
     async def mail(backend, **settings) -> list:
         app = SimpleNamespace(public_url=HUB, service_prefix="/services/gpusnap/", backend=backend)
-        notifier = ServiceNotifier(sent_log=MemorySentLog(), app=app, mailer=make_mailer(smtp, log),
+        notifier = ServiceNotifier(sent_log=MemorySentLog(), public_url=app.public_url,
+                                   service_prefix=app.service_prefix, backend=app.backend,
+                                   mailer=make_mailer(smtp, log),
                                    address_from="template", address_template="{username}@example.org",
                                    log=log, **settings)  # fmt: skip
         notifier.clock = lambda: NOW
