@@ -174,6 +174,8 @@ def test_every_part_has_a_floor():
     placed = floor_of()
     missing = sorted(parts_on_disk(ROOT) - set(placed))
     assert not missing, f"give these a floor in FLOORS (tests/test_import_layers.py): {missing}"
+    gone = sorted(set(placed) - parts_on_disk(ROOT))
+    assert not gone, f"FLOORS names parts that no longer exist: {gone}"
 
 
 def test_no_part_imports_a_floor_above_it():
