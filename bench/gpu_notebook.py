@@ -3,7 +3,7 @@
 For each size (GiB of torch tensors, positional, fractions allowed; default 1 8 24), ``--repeat``
 times, the two paths alternating which goes first:
 
-- **gpusnap**: a real JupyterHub and proxy (``tests/realhub.py``) with
+- **gpusnap**: a real JupyterHub and proxy (``tests/helpers/realhub.py``) with
   ``SnapLocalProcessSpawner``, the spawner docs/install.md recommends: the server runs as a
   real Unix user (``--user``, default ``gpusnap-bench``), each in the sandbox of
   ``jupyterhub_gpusnap/sandbox.py`` (root's init, the server and its kernels as the user; no
