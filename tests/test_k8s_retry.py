@@ -13,9 +13,9 @@ import pytest
 from traitlets import TraitError
 from traitlets.config import Config
 
-from jupyterhub_gpusnap.kube.errors import AgentError
 from jupyterhub_gpusnap.checkpoint.base import CheckpointInfo
 from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
+from jupyterhub_gpusnap.kube.errors import AgentError
 from tests.helpers.fake_kube import HUB_USER, FakeKube
 from tests.helpers.fault_proxy import Fault, FaultProxy
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from traitlets.config import Config
 
-from jupyterhub_gpusnap.kube.errors import AgentError
 from jupyterhub_gpusnap.agent.ship import Shipper
 from jupyterhub_gpusnap.checkpoint import oci
+from jupyterhub_gpusnap.kube.errors import AgentError
 from tests.helpers.fault_proxy import Fault, FaultProxy
 from tests.helpers.registry import Registry
 
