@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The container runtime the Kubernetes tests run real pods with (tests/helpers/oci_runtime.py):
+# The container runtime the Kubernetes tests run real pods with (tests/oci_runtime.py):
 # Debian's runc (1.1.5; checkpoints through our CRIU 4.2.1, .ci/install-criu.sh) and
 # mmdebstrap, then the notebook image's root filesystem (Debian bookworm with python3,
 # jupyter-server and ipykernel), built once and cached under /var/cache/gpusnap-test

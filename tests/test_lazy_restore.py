@@ -248,6 +248,127 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
     assert m.status == "failed" and "(the Hub) stopped before every page was in" in m.error
 
 
+class StandInDriver:
+    """The CUDA driver's restore as LocalBackend calls it (``cuda().gpu_inventory()``,
+    ``await cuda().resume(pids)``), for a machine without a GPU: ``resume`` waits until
+    the test sets ``go``, then succeeds or raises ``fail``. The real driver is used by
+    tests/test_gpu_lazy_restore.py on a GPU machine."""
+
+    def __init__(self, fail: str = ""):
+        self.go = asyncio.Event()
+        self.called = asyncio.Event()
+        self.fail = fail
+        self.pids: list[int] = []
+
+    def gpu_inventory(self) -> dict:
+        return {"gpu_count": 1}
+
+    async def resume(self, pids: list[int]) -> list[int]:
+        self.pids = list(pids)
+        self.called.set()
+        await self.go.wait()
+        if self.fail:
+            raise CheckpointError(self.fail)
+        return self.pids
+
+
+async def gpu_snapshot(tmp_path, process_tree):
+    """A holder suspended by LocalBackend and recorded as a GPU server's snapshot is
+    (cuda_pids), chunk-stored (a lazy restore needs no page sums then)."""
+    backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "chunks")
+    m.cuda_pids = [m.pid]
+    m.save(folder)
+    return backend, tree, folder, before
+
+
+@pytest.mark.parametrize("gpu_fails", [False, True])
+async def test_gpu_memory_comes_back_behind_the_first_answer(tmp_path, process_tree, gpu_fails):
+    """restore_mode = "lazy" hands a GPU server out before its GPU memory is back: the
+    tree answers while the driver's restore still runs; then the GPU memory's time and the
+    whole restore's are recorded. A GPU restore that fails after the server answered
+    kills the tree (it must not run on without its GPU memory), marks the snapshot failed
+    with the driver's reason and counts it."""
+    backend, tree, folder, before = await gpu_snapshot(tmp_path, process_tree)
+    why = "cuCheckpointProcessRestore failed: CUDA_ERROR_OUT_OF_MEMORY (2)" if gpu_fails else ""
+    driver = StandInDriver(fail=why)
+    lazyb = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0,
+                         storage="chunks", restore_mode="lazy")  # fmt: skip
+    lazyb.cuda = lambda: driver
+    failed = lazy.LAZY_RESTORES.labels(result="failed")._value.get()
+    cid = lazyb._id(folder)
+    pid = (await asyncio.wait_for(lazyb.restore(await lazyb.get(cid)), 120)).pid
+    tree.pid = pid
+    pids = tree_pids(pid)
+    # handed out with the GPU memory still to come back
+    assert (await ask(tree.port, "get"))["digest"] == before["digest"]
+    await asyncio.wait_for(driver.called.wait(), 30)
+    assert set(driver.pids) == set(pids)
+    m = Manifest.load(folder)
+    assert m.status == "restored" and m.extra.get("gpu_pending") is True, m.extra
+    assert not lazyb.lazy_restores[cid].done()
+
+    driver.go.set()
+    await asyncio.wait_for(lazyb.lazy_restores[cid], 120)
+    m = Manifest.load(folder)
+    if not gpu_fails:
+        assert m.status == "restored" and "gpu_pending" not in m.extra, m.extra
+        phases = m.extra["restore_phases"]
+        assert phases["gpu_behind_s"] >= 0 and phases["full_restore_s"] > 0, phases
+        assert (await ask(tree.port, "hash"))["now"] == before["digest"]
+        return
+    assert m.status == "failed", m.extra
+    assert "restoring GPU memory" in m.error and "CUDA_ERROR_OUT_OF_MEMORY" in m.error, m.error
+    assert lazy.LAZY_RESTORES.labels(result="failed")._value.get() == failed + 1
+    assert_gone(pids)
+
+
+async def test_recover_brings_back_gpu_memory_a_stopped_restorer_left_behind(
+    tmp_path, process_tree
+):
+    """The Hub stopped after every page was in but before the GPU memory was back: the
+    server runs, its CUDA calls waiting. The service's recover() restores the GPU memory
+    (once the restore cannot still be under way), or stops the server and fails the
+    snapshot if the driver cannot."""
+    backend, tree, folder, before = await gpu_snapshot(tmp_path, process_tree)
+    lazyb = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0,
+                         storage="chunks", restore_mode="lazy")  # fmt: skip
+    first = StandInDriver()
+    first.go.set()
+    lazyb.cuda = lambda: first
+    cid = lazyb._id(folder)
+    pid = (await lazyb.restore(await lazyb.get(cid))).pid
+    tree.pid = pid
+    await asyncio.wait_for(lazyb.lazy_restores[cid], 120)
+    m = Manifest.load(folder)
+    m.extra["gpu_pending"] = True  # as a Hub that stopped before the GPU memory was back
+    m.save(folder)
+
+    service = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0)
+    driver = StandInDriver()
+    driver.go.set()
+    service.cuda = lambda: driver
+    await service.recover()
+    assert not driver.called.is_set(), "a restore that may still be under way is left alone"
+    m = Manifest.load(folder)
+    m.restored_at -= 3600
+    m.save(folder)
+    await service.recover()
+    assert set(driver.pids) == set(tree_pids(pid))
+    m = Manifest.load(folder)
+    assert m.status == "restored" and "gpu_pending" not in m.extra, m.extra
+
+    m.extra["gpu_pending"] = True
+    m.save(folder)
+    failing = StandInDriver(fail="cuCheckpointProcessRestore failed: CUDA_ERROR_UNKNOWN (999)")
+    failing.go.set()
+    service.cuda = lambda: failing
+    pids = tree_pids(pid)
+    await service.recover()
+    m = Manifest.load(folder)
+    assert m.status == "failed" and "CUDA_ERROR_UNKNOWN" in m.error, m.error
+    assert_gone(pids)
+
+
 # ---------------------------------------------------------------------- damage
 
 

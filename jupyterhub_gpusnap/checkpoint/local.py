@@ -1695,33 +1695,34 @@ class LocalBackend(CheckpointBackend):
         for p, r in list(self.restored.items()):
             if r.reap() is not None:
                 self.restored.pop(p, None)
+        # GPU memory comes back behind the first answer (docs/lazy-restore.md, "GPU"): the
+        # processes stay in the driver's checkpointed state, where a CUDA call waits, until
+        # _finish_lazy has restored and unlocked them; a cell that needs no GPU runs at once.
+        gpu_pids = tree_pids(restored.pid) if m.cuda_pids and self.cuda() is not None else []
         try:
-            # GPU memory before the server is handed out, as in an eager restore
-            # (docs/lazy-restore.md, "GPU"); the driver's reads fault host pages in.
-            if m.cuda_pids and self.cuda() is not None:
-                try:
-                    await self.cuda().resume(tree_pids(restored.pid))
-                except Exception as e:
-                    raise CheckpointError(f"{key}: restoring GPU memory failed: {e}") from e
-                phases["gpu_done_s"] = round(time.monotonic() - t - phases["criu_s"], 3)
             m.status = "restored"
             m.restored_at = time.time()
             m.extra["restored_pid"] = restored.pid
             m.extra["restore_s"] = round(m.restored_at - restore_started, 3)
             m.extra["restore_phases"] = phases
             m.extra["lazy_pending"] = True  # until every page is in (recover() reads it)
+            if gpu_pids:
+                m.extra["gpu_pending"] = True  # until the GPU memory is back
             m.save(folder)
         except BaseException:
             await lr.abort()
             self.restored.pop(restored.pid, None)
             await self._unstage_lazy(folder, images)
             raise
-        task = asyncio.ensure_future(self._finish_lazy(info.id, folder, key, lr, images))
+        task = asyncio.ensure_future(
+            self._finish_lazy(info.id, folder, key, lr, images, gpu_pids, restore_started)
+        )
         self.lazy_restores[info.id] = task
         self.log.info(
             "%s: checkpoint %s restored lazily as pid %s on %s:%s (running after %.2fs, "
-            "%.1f MiB of memory to follow)",
+            "%.1f MiB of memory to follow%s)",
             key, info.id, restored.pid, m.ip, m.port, lr.stats["running_s"], lr.lazy_bytes / 2**20,
+            f", GPU memory of pids {gpu_pids} restoring behind it" if gpu_pids else "",
         )  # fmt: skip
         return restored.pid, m.ip, m.port
 
@@ -1730,12 +1731,25 @@ class LocalBackend(CheckpointBackend):
             shutil.copyfile(images / lazy.LAZY_LOG, folder / lazy.LAZY_LOG)
         await asyncio.to_thread(self._unstage, folder, images)
 
-    async def _finish_lazy(self, cid: str, folder: Path, key: str, lr, images: Path) -> None:
-        """Wait for a lazy restore's last page; record the figures, or (the tree is dead
-        already) log, count and mark the snapshot failed naming the damage."""
+    async def _finish_lazy(
+        self, cid: str, folder: Path, key: str, lr, images: Path,
+        gpu_pids: list[int] | None = None, restore_started: float | None = None,
+    ) -> None:  # fmt: skip
+        """Wait for a lazy restore's last page, then, for a GPU server, restore its GPU
+        memory (the driver reads it from host memory that is all in by then: no page fault
+        in its way, docs/lazy-restore.md "GPU"); record the figures. If either fails the
+        tree is killed (it must not run on memory that is not its own, or on without its
+        GPU memory) and the snapshot is marked failed with the reason, logged and counted."""
+        gpu_done_s = None
         try:
             try:
                 stats = await lr.done
+                if gpu_pids:
+                    try:
+                        gpu_done_s = await self._restore_gpu_behind(key, cid, gpu_pids)
+                    except CheckpointError:
+                        await self.kill_tree(tree_pids(lr.pid))
+                        raise
             finally:
                 self.lazy_restores.pop(cid, None)
                 await self._unstage_lazy(folder, images)
@@ -1758,16 +1772,34 @@ class LocalBackend(CheckpointBackend):
             phases = m.extra.get("restore_phases") or {}
             phases.update(lazy_all_in_s=stats.get("all_in_s"), lazy_served_bytes=stats.get("served_bytes"),
                           lazy_requests=stats.get("requests"), lazy_fault_requests=stats.get("fault_requests"))  # fmt: skip
+            if gpu_done_s is not None:
+                phases["gpu_behind_s"] = gpu_done_s
+            if restore_started is not None:
+                phases["full_restore_s"] = round(time.time() - restore_started, 3)
             m.extra["restore_phases"] = phases
             m.extra.pop("lazy_pending", None)
+            m.extra.pop("gpu_pending", None)
             m.save(folder)
         except (OSError, ValueError) as e:
             self.log.warning("%s: cannot record the lazy restore of %s: %s", key, cid, e)
         self.log.info(
-            "%s: checkpoint %s: every page back after %.2fs (%.1f MiB served, %d requests)",
+            "%s: checkpoint %s: every page back after %.2fs (%.1f MiB served, %d requests)%s",
             key, cid, stats.get("all_in_s", 0), stats.get("served_bytes", 0) / 2**20,
             stats.get("requests", 0),
+            f", GPU memory back after {gpu_done_s:.2f}s" if gpu_done_s is not None else "",
         )  # fmt: skip
+
+    async def _restore_gpu_behind(self, key: str, cid: str, pids: list[int]) -> float:
+        """Restore and unlock the GPU memory of a lazily restored tree while it runs; the
+        seconds it took. Raises CheckpointError naming what failed."""
+        t = time.monotonic()
+        try:
+            await self.cuda().resume(pids)
+        except Exception as e:
+            raise CheckpointError(f"restoring GPU memory of pids {pids} failed: {e}") from e
+        took = round(time.monotonic() - t, 3)
+        self.log.info("%s: checkpoint %s: GPU memory back after %.2fs", key, cid, took)
+        return took
 
     async def _end_restored(self, restored: criu.Restored) -> None:
         """Kill a restored tree that must not be handed out, and let its criu exit."""
@@ -1798,6 +1830,8 @@ class LocalBackend(CheckpointBackend):
                 _drop_image_files(folder)
             if m.status == "restored" and m.extra.get("lazy_pending"):
                 self._recover_lazy(folder, m)
+            elif m.status == "restored" and m.extra.get("gpu_pending"):
+                await self._recover_gpu_behind(folder, m)
             if m.status != "writing":
                 continue
             key = server_key(m.user, m.server)
@@ -1840,6 +1874,32 @@ class LocalBackend(CheckpointBackend):
         return done
 
 
+    async def _recover_gpu_behind(self, folder: Path, m: Manifest) -> None:
+        """A lazy restore whose pages all came but whose GPU memory the restoring process
+        (the Hub) did not bring back before it stopped: the server runs, locked out of its
+        GPU (a CUDA call waits). Its GPU memory is restored here; if that fails the server
+        is stopped and its snapshot marked failed (kept for rescue). Left alone while the
+        restore may still be under way (GPU_BEHIND_GRACE after it was handed out)."""
+        cid = self._id(folder)
+        key = server_key(m.user, m.server)
+        pid = m.extra.get("restored_pid")
+        if cid in self.lazy_restores or time.time() - (m.restored_at or 0) < GPU_BEHIND_GRACE:
+            return
+        if self.cuda() is None or not pid or not is_alive(pid):
+            m.extra.pop("gpu_pending", None)  # nothing left to bring back to
+            m.save(folder)
+            return
+        try:
+            await self._restore_gpu_behind(key, cid, tree_pids(pid))
+        except CheckpointError as e:
+            await self.kill_tree(tree_pids(pid))
+            m.status, m.error = "failed", f"lazy restore failed after the server ran: {e}"
+            m.extra["failed_at"] = time.time()
+            lazy.LAZY_RESTORES.labels(result="failed").inc()
+            self.log.error("%s: checkpoint %s: %s", key, cid, m.error)
+        m.extra.pop("gpu_pending", None)
+        m.save(folder)
+
     def _recover_lazy(self, folder: Path, m: Manifest) -> None:
         """A lazy restore whose last page never came and whose server is gone: the process
         that served its memory (the Hub) stopped mid-transfer, and the guard killed the
@@ -1856,6 +1916,11 @@ class LocalBackend(CheckpointBackend):
         m.save(folder)
         self.log.error("%s: checkpoint %s: %s", server_key(m.user, m.server), cid, m.error)
 
+
+# A lazily restored server's GPU memory comes back within seconds of its hand-out (about
+# 2 s per 8 GiB on an H100, plus its pages); one still pending this long after was left
+# behind by a restoring process that stopped, and recover() brings it back.
+GPU_BEHIND_GRACE = 600.0
 
 # Less free space than this after a failed dump counts as a full disk (CRIU stops at
 # its first failed write, a few MiB of pages at most short of the end).

@@ -133,6 +133,13 @@ class _Segmented:
                 self._hint(k)
                 self.pool.submit(self._quietly, k)
 
+    def warm(self) -> None:
+        """Have the kernel read the whole file into the page cache now, in file order,
+        without waiting (``POSIX_FADV_WILLNEED``): a cold image is otherwise read one fault's
+        segment (or chunk) at a time, each a random read the process waits for."""
+        for i in range(len(self.starts)):
+            self._hint(i)
+
     def _quietly(self, i: int) -> None:
         try:
             self._segment(i)
@@ -183,6 +190,12 @@ class RawPages(_Segmented):
     def _hint(self, i: int) -> None:
         try:
             os.posix_fadvise(self.fd, self.starts[i], self.segment, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+
+    def warm(self) -> None:
+        try:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_WILLNEED)
         except OSError:
             pass
 
