@@ -369,6 +369,25 @@ async def test_recover_brings_back_gpu_memory_a_stopped_restorer_left_behind(
     assert_gone(pids)
 
 
+async def test_page_sums_that_do_not_match_the_manifest_are_not_written_and_counted(
+    tmp_path, process_tree
+):
+    """A pages file changed between its verification and its page sums (a disk going bad):
+    no sums are written (they would vouch for bytes the manifest does not), the failure is
+    counted in gpusnap_page_sums_failures and logged, and the snapshot restores eagerly."""
+    backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "files")
+    lazyb = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0,
+                         restore_mode="lazy")  # fmt: skip
+    pages = max((n for n in m.files if is_pages_file(n)), key=lambda n: m.sizes[n])
+    flip(folder / pages, m.sizes[pages] // 2)
+    failed = lazy.PAGE_SUMS_FAILED._value.get()
+    assert await lazyb._write_page_sums(folder, m, "alice/") is False
+    assert lazy.PAGE_SUMS_FAILED._value.get() == failed + 1
+    assert not list(folder.glob(".*.sums")) and not (folder / sums_name(pages)).exists()
+    image, why = lazyb._lazy_image(folder, m, "alice/", lazyb._id(folder))
+    assert image is None and "page checksums" in why, why
+
+
 # ---------------------------------------------------------------------- damage
 
 
