@@ -101,6 +101,61 @@ class RestoreTarget:
 
 
 @dataclass
+class Kept:
+    """What retention knows of one checkpoint (:func:`expired`)."""
+
+    id: str
+    server: str  # "user/server"
+    status: str
+    created: float
+    #: a snapshot that was verified and then failed (its restore failed, or a scrub found it
+    #: damaged beyond repair): when it failed. Kept ``max_age_days`` from then for rescue.
+    failed_since: float | None = None
+
+
+def protected(found: list[Kept]) -> set[str]:
+    """Per server, the newest ``verified`` checkpoint while nothing newer was restored or
+    failed: the snapshot a suspended server is restored from. ``found`` newest first."""
+    keep: set[str] = set()
+    seen: set[str] = set()
+    for k in found:
+        if k.server in seen or k.status == "writing":
+            continue
+        seen.add(k.server)
+        if k.status == "verified":
+            keep.add(k.id)
+    return keep
+
+
+def expired(found: list[Kept], now: float, keep_last: int, max_age_days: float) -> list[str]:
+    """The checkpoints retention deletes, of ``found`` (newest first): beyond the newest
+    ``keep_last`` per server, or older than ``max_age_days``; never one being written, nor
+    a suspended server's snapshot (:func:`protected`); a failed restore's snapshot only
+    ``max_age_days`` after its failure, whatever ``keep_last`` says.
+
+    >>> a = [Kept("3", "u/", "restored", 30), Kept("2", "u/", "restored", 20), Kept("1", "u/", "failed", 10)]
+    >>> expired(a, now=40, keep_last=2, max_age_days=1)
+    ['1']
+    """
+    keep = protected(found)
+    counts: dict[str, int] = {}
+    out = []
+    for k in found:
+        if k.status == "writing" or k.id in keep:
+            counts[k.server] = counts.get(k.server, 0) + 1
+            continue
+        if k.failed_since is not None:  # a failed restore's snapshot: by age alone
+            too_many, too_old = False, now - k.failed_since > max_age_days * 86400
+        else:
+            counts[k.server] = counts.get(k.server, 0) + 1
+            too_many = counts[k.server] > keep_last
+            too_old = now - k.created > max_age_days * 86400
+        if too_many or too_old:
+            out.append(k.id)
+    return out
+
+
+@dataclass
 class Suspension:
     """One suspension under way, handed from hook to hook of
     :meth:`CheckpointBackend.checkpoint`. Backends subclass it for what their later
@@ -358,8 +413,32 @@ class CheckpointBackend(LoggingConfigurable):
         return None
 
     async def apply_retention(self) -> list[str]:
-        """Delete checkpoints past retention; return their ids. Never the one a restore needs."""
+        """Delete checkpoints past retention; return their ids. Never the one a restore needs.
+
+        The protocol: :meth:`recover` first (a suspension a crash left under way is
+        resolved before anything is judged by its status), then each checkpoint
+        :meth:`do_expired` names is deleted (:meth:`do_delete`), then
+        :meth:`do_after_retention`. Backends that delete nothing by age name none.
+        """
+        await self.recover()
+        deleted = []
+        for cid in await self.do_expired(time.time()):
+            await self.do_delete(cid)
+            deleted.append(cid)
+        await self.do_after_retention()
+        return deleted
+
+    async def do_expired(self, now: float) -> list[str]:
+        """The ids retention deletes now (the rule: :func:`expired`)."""
         return []
+
+    async def do_delete(self, checkpoint_id: str) -> None:
+        """Delete one checkpoint for retention (what it shares with others stays until
+        :meth:`do_after_retention`)."""
+        await self.delete(checkpoint_id)
+
+    async def do_after_retention(self) -> None:
+        """Once retention has deleted what it deletes (local: unused chunks go)."""
 
     async def scrub(self, full: bool | None = None) -> dict:
         """Re-check stored checkpoint data, repair what can be repaired, and mark the

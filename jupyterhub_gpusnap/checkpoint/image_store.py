@@ -22,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from . import scrub as chunk_scrub
 from .base import CheckpointError, CheckpointInfo, CheckpointRefused
-from .chunks import ChunkStore, Follower
+from .chunks import STORE, ChunkStore, Follower
 from .keys import KeyFileError
 from .manifest import (
     Manifest,
@@ -277,3 +279,76 @@ class ChunksStore(ImageStore):
             yield ImageSource(images, lambda: asyncio.ensure_future(asyncio.sleep(0, [])))
         finally:
             b._unstage(folder, images)
+
+    # -- housekeeping of the shared store ------------------------------------------------
+    async def sweep(self) -> tuple[int, int]:
+        """Delete chunks no checkpoint uses any more; (count, bytes). Skipped (0, 0) while
+        a checkpoint is being written (by this process or, through the store's lock and the
+        ``writing`` manifests, any other) or any checkpoint folder cannot be read: a chunk is
+        only deleted when it is certainly unused."""
+        b = self.backend
+        if not (b.root / STORE).is_dir() or b._active:
+            return 0, 0
+        count, freed = await asyncio.to_thread(b.chunk_store().sweep, self._referenced)
+        if count:
+            b.log.info("deleted %d unused chunks (%.1f MiB)", count, freed / 2**20)
+        return count, freed
+
+    async def scrub(self, found: list, full: bool | None = None) -> dict:
+        """Check the chunk store and keep shared chunks twice (see :mod:`.scrub`); the
+        report as a dict (empty when there is no chunk store). ``found``: (id, folder,
+        manifest, kept for rescue) of every checkpoint.
+
+        Each call makes the replicas that chunks shared by ``replicate_min_servers`` servers
+        lack; a full pass (every chunk and replica re-read, at most
+        ``scrub_bytes_per_second``) runs when ``full`` is True, or when None and
+        ``scrub_interval`` has passed since the last one ended. Long: run it as a task of its
+        own, not in a loop that must stay on time.
+        """
+        b = self.backend
+        if not (b.root / STORE).is_dir():
+            return {}
+        try:
+            store = b.chunk_store()
+        except KeyFileError as e:
+            b.log.error("chunk scrub skipped: %s", e)
+            return {}
+        if full is None:
+            last = chunk_scrub.load_state(store).get("last_full_end")
+            full = b.scrub_interval > 0 and (
+                not isinstance(last, (int, float)) or time.time() - last >= b.scrub_interval
+            )
+        report = await chunk_scrub.scrub(
+            store, found, full=bool(full), min_servers=b.replicate_min_servers,
+            bytes_per_second=b.scrub_bytes_per_second, log=b.log,
+        )  # fmt: skip
+        return report.as_dict()
+
+    def _referenced(self) -> set[tuple[str, str]] | None:
+        """The (space, chunk id) pairs checkpoints list; None when that cannot be known."""
+        referenced: set[tuple[str, str]] = set()
+        for sdir in self._server_dirs():
+            for folder in sdir.iterdir():
+                if not folder.is_dir():
+                    continue
+                try:
+                    m = Manifest.load(folder)
+                except (OSError, ValueError, TypeError) as e:
+                    self.backend.log.warning(
+                        "chunk sweep skipped: checkpoint folder %s has no readable manifest (%s); "
+                        "recover or remove it by hand (docs/operations.md)", folder, e,
+                    )  # fmt: skip
+                    return None
+                if m.status == "writing":
+                    return None
+                for refs in m.chunks.values():
+                    referenced.update((m.key_id, cid) for cid, _ in refs)
+        return referenced
+
+    def _server_dirs(self):
+        root = self.backend.root
+        if not root.is_dir():
+            return
+        for udir in sorted(p for p in root.iterdir() if not p.name.startswith(".")):
+            if udir.is_dir():
+                yield from (s for s in sorted(udir.iterdir()) if s.is_dir())

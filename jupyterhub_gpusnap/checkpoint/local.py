@@ -67,9 +67,12 @@ from .base import (
     CheckpointError,
     CheckpointInfo,
     CheckpointRefused,
+    Kept,
     Restored,
     RestoreTarget,
     Suspension,
+    expired,
+    protected,
 )
 from .chunks import PAGE, STORE, ChunkStore, Follower
 from .image_store import ChunksStore, FilesStore, ImageSource, ImageStore, RestoreJob
@@ -1054,80 +1057,16 @@ class LocalBackend(CheckpointBackend):
             return token
         return "sealed:" + keys[0].seal(token.encode(), b"api_token").hex()
 
-    async def sweep_chunks(self) -> tuple[int, int]:
-        """Delete chunks no checkpoint uses any more; (count, bytes). Skipped (0, 0) while
-        a checkpoint is being written (by this process or, through the store's lock and the
-        ``writing`` manifests, any other) or any checkpoint folder cannot be read: a chunk is
-        only deleted when it is certainly unused."""
-        if not (self.root / STORE).is_dir() or self._active:
-            return 0, 0
-        count, freed = await asyncio.to_thread(self.chunk_store().sweep, self._referenced)
-        if count:
-            self.log.info("deleted %d unused chunks (%.1f MiB)", count, freed / 2**20)
-        return count, freed
-
     async def scrub(self, full: bool | None = None) -> dict:
-        """Check the chunk store and keep shared chunks twice (see :mod:`.scrub`); the
-        report as a dict (empty when there is no chunk store).
-
-        Each call makes the replicas that chunks shared by ``replicate_min_servers`` servers
-        lack; a full pass (every chunk and replica re-read, at most
-        ``scrub_bytes_per_second``) runs when ``full`` is True, or when None and
-        ``scrub_interval`` has passed since the last one ended. Long: run it as a task of its
-        own, not in a loop that must stay on time.
-        """
-        store_dir = self.root / STORE
-        if not store_dir.is_dir():
-            return {}
-        try:
-            store = self.chunk_store()
-        except KeyFileError as e:
-            self.log.error("chunk scrub skipped: %s", e)
-            return {}
-        if full is None:
-            last = chunk_scrub.load_state(store).get("last_full_end")
-            full = self.scrub_interval > 0 and (
-                not isinstance(last, (int, float)) or time.time() - last >= self.scrub_interval
-            )
+        """Check the chunk store and keep shared chunks twice (:meth:`.ChunksStore.scrub`);
+        the report as a dict (empty when there is no chunk store)."""
         found = await asyncio.to_thread(
             lambda: [
                 (self._id(folder), folder, m, _rescue_since(folder, m) is not None)
                 for folder, m in self._load_all()
             ]
         )
-        report = await chunk_scrub.scrub(
-            store, found, full=bool(full), min_servers=self.replicate_min_servers,
-            bytes_per_second=self.scrub_bytes_per_second, log=self.log,
-        )  # fmt: skip
-        return report.as_dict()
-
-    def _referenced(self) -> set[tuple[str, str]] | None:
-        """The (space, chunk id) pairs checkpoints list; None when that cannot be known."""
-        referenced: set[tuple[str, str]] = set()
-        for sdir in self._server_dirs():
-            for folder in sdir.iterdir():
-                if not folder.is_dir():
-                    continue
-                try:
-                    m = Manifest.load(folder)
-                except (OSError, ValueError, TypeError) as e:
-                    self.log.warning(
-                        "chunk sweep skipped: checkpoint folder %s has no readable manifest (%s); "
-                        "recover or remove it by hand (docs/operations.md)", folder, e,
-                    )  # fmt: skip
-                    return None
-                if m.status == "writing":
-                    return None
-                for refs in m.chunks.values():
-                    referenced.update((m.key_id, cid) for cid, _ in refs)
-        return referenced
-
-    def _server_dirs(self):
-        if not self.root.is_dir():
-            return
-        for udir in sorted(p for p in self.root.iterdir() if not p.name.startswith(".")):
-            if udir.is_dir():
-                yield from (s for s in sorted(udir.iterdir()) if s.is_dir())
+        return await self.image_store("chunks").scrub(found, full)
 
     async def _fail(
         self, folder: Path, m: Manifest, key: str, pids: list[int], cuda_pids: list[int], why: str
@@ -1298,7 +1237,7 @@ class LocalBackend(CheckpointBackend):
 
     async def delete(self, checkpoint_id: str) -> None:
         await self._delete(checkpoint_id)
-        await self.sweep_chunks()
+        await self.image_store("chunks").sweep()
 
     async def _delete(self, checkpoint_id: str) -> None:
         folder = self.folder(checkpoint_id)
@@ -1316,18 +1255,12 @@ class LocalBackend(CheckpointBackend):
             except OSError:
                 break
 
-    def _protected(self, found: list[tuple[Path, Manifest]]) -> set[Path]:
-        """Per server: the newest verified checkpoint while nothing newer was restored/failed."""
-        keep: set[Path] = set()
-        seen: set[str] = set()
-        for folder, m in found:
-            key = server_key(m.user, m.server)
-            if key in seen or m.status == "writing":
-                continue
-            seen.add(key)
-            if m.status == "verified":
-                keep.add(folder)
-        return keep
+    def _kept(self, found: list[tuple[Path, Manifest]]) -> list[Kept]:
+        """What retention knows of each checkpoint (:func:`~.base.expired`)."""
+        return [
+            Kept(self._id(f), server_key(m.user, m.server), m.status, m.created, _rescue_since(f, m))
+            for f, m in found
+        ]
 
     @property
     def retention_days(self) -> float:
@@ -1335,43 +1268,25 @@ class LocalBackend(CheckpointBackend):
         the number emails quote ("kept for N days")."""
         return self.max_age_days
 
-    async def apply_retention(self) -> list[str]:
-        """Delete what ``keep_last``/``max_age_days`` allow; never a suspended server's image,
-        nor a failed restore's before ``max_age_days`` from its failure (see their help).
+    async def do_expired(self, now: float) -> list[str]:
+        """What ``keep_last``/``max_age_days`` allow to go (see their help): never a
+        suspended server's image, nor a failed restore's before ``max_age_days`` from its
+        failure. :meth:`apply_retention` has run :meth:`recover` first (checkpoints left
+        ``writing`` that no checkpoint of this process is writing, e.g. a failure that could
+        not be recorded on a full disk)."""
+        return expired(self._kept(self._load_all()), now, self.keep_last, self.max_age_days)
 
-        First resolves checkpoints left ``writing`` that no checkpoint of this process is
-        writing (e.g. a failure that could not be recorded on a full disk): see recover().
-        """
-        await self.recover()
-        found = self._load_all()
-        protected = self._protected(found)
-        now = time.time()
-        counts: dict[str, int] = {}
-        deleted = []
-        for folder, m in found:
-            key = server_key(m.user, m.server)
-            if m.status == "writing" or folder in protected:
-                counts[key] = counts.get(key, 0) + 1
-                continue
-            rescue = _rescue_since(folder, m)
-            if rescue is not None:  # a failed restore's snapshot: by age alone, from the failure
-                too_many, too_old = False, now - rescue > self.max_age_days * 86400
-            else:
-                counts[key] = counts.get(key, 0) + 1
-                too_many = counts[key] > self.keep_last
-                too_old = now - m.created > self.max_age_days * 86400
-            if too_many or too_old:
-                cid = self._id(folder)
-                await self._delete(cid)
-                deleted.append(cid)
-        await self.sweep_chunks()
-        return deleted
+    async def do_delete(self, checkpoint_id: str) -> None:
+        await self._delete(checkpoint_id)
+
+    async def do_after_retention(self) -> None:
+        await self.image_store("chunks").sweep()
 
     def reserved_ports(self) -> set[int]:
         """Ports of suspended servers: a restore needs its old port free again."""
         found = self._load_all()
-        protected = self._protected(found)
-        return {m.port for f, m in found if m.port and f in protected}
+        keep = protected(self._kept(found))
+        return {m.port for f, m in found if m.port and self._id(f) in keep}
 
     # ---------------------------------------------------------------- restore
     async def restore(
