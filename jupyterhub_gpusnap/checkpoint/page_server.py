@@ -20,6 +20,16 @@ address order, from 64 KiB up to 4 MiB per request. When done, the daemon sends
 ``PS_IOV_FORCE_CLOSE`` (``PS_IOV_CLOSE`` on its own TCP connection) and waits for an
 ``int32`` status (0).
 
+An answer holds what is checked and in memory already, at least the first page: the
+whole request when it is, else the checked prefix, else the first segment (or chunk) read
+and checked now. The daemon takes fewer pages than it asked for and asks again for the
+rest (``criu/page-xfer.c``: "page-server may return less pages than we asked for";
+``uffd_io_complete`` puts the rest back). Answers go back in request order, so this keeps
+a page fault from waiting behind a large background request that is still being read.
+Only a request that continues the last answer for its process (the background transfer,
+or a reader going through memory in order) starts checking the next ``ahead`` bytes in
+the pool; a lone fault does not.
+
 On a failed check the server answers nothing more: the faulting thread stays blocked in
 the kernel, never running on with memory that is not its own, until :mod:`.lazy` has
 killed the tree (:attr:`PageServer.failure` says what failed).
@@ -76,6 +86,7 @@ class PageServer:
         self.first_at: float | None = None
         self.last_at: float | None = None
         self._writer: asyncio.StreamWriter | None = None
+        self._next: dict[int, int] = {}  # process -> the address after its last answer
 
     # ------------------------------------------------------------ serving
     async def serve(self, sock) -> None:
@@ -101,10 +112,13 @@ class PageServer:
                         self.faults += 1
                     if self.first_at is None:
                         self.first_at = time.monotonic()
-                    fut = self._cached(dst, vaddr, nr)
+                    in_order = self._next.get(dst) == vaddr
+                    fut = self._cached(dst, vaddr, nr, in_order)
                     if fut is None:
-                        fut = loop.run_in_executor(self.pool, self._read, dst, vaddr, nr)
-                    queue.put_nowait((nr, vaddr, dst, fut))
+                        fut = loop.run_in_executor(
+                            self.pool, self._read, dst, vaddr, nr, in_order
+                        )
+                    queue.put_nowait((vaddr, dst, fut))
                 elif cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
                     queue.put_nowait(None)
                 else:
@@ -115,32 +129,7 @@ class PageServer:
             queue.put_nowait(StopAsyncIteration)
             await sender
 
-    def _cached(self, dst: int, vaddr: int, nr: int) -> asyncio.Future | None:
-        """The answer as a done future when its pages are checked and in memory already
-        (the background transfer, once the pool is ahead of it); else None."""
-        pm = self.maps.get(dst)
-        if pm is None:
-            return None
-        try:
-            ranges = pm.locate(vaddr, nr)
-        except PagemapError:
-            return None
-        source = self.sources[pm.pages_file]
-        parts = []
-        for off, n in ranges:
-            got = source.cached(off, n)
-            if got is None:
-                return None
-            parts += got
-        if nr > 1 and self.ahead:
-            end = ranges[-1][0] + ranges[-1][1]
-            source.ahead(end, self.ahead)
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(parts)
-        return fut
-
-    def _read(self, dst: int, vaddr: int, nr: int) -> list[memoryview]:
-        t = time.perf_counter()
+    def _locate(self, dst: int, vaddr: int, nr: int):
         pm = self.maps.get(dst)
         if pm is None:
             raise PageDamaged(f"lazy-pages asked for process {dst}, which is not in the image")
@@ -148,13 +137,46 @@ class PageServer:
             ranges = pm.locate(vaddr, nr)
         except PagemapError as e:
             raise PageDamaged(f"lazy-pages asked for {nr} pages at {vaddr:#x}: {e}") from e
-        source = self.sources[pm.pages_file]
-        parts = [view for off, n in ranges for view in source.read(off, n)]
-        if nr > 1 and self.ahead:  # a background transfer: the next pages follow
-            end = ranges[-1][0] + ranges[-1][1]
-            source.ahead(end, self.ahead)
+        return self.sources[pm.pages_file], ranges
+
+    def _cached(self, dst: int, vaddr: int, nr: int, in_order: bool) -> asyncio.Future | None:
+        """The answer as a done future, ``(pages, views)``, when at least its first page is
+        checked and in memory already (the longest such prefix); else None."""
+        try:
+            source, ranges = self._locate(dst, vaddr, nr)
+        except PageDamaged:
+            return None  # _read reports it
+        parts: list[memoryview] = []
+        got = 0
+        for off, n in ranges:
+            views, m = source.prefix(off, n)
+            parts += views
+            got += m
+            if m < n:
+                break
+        pages = got // PAGE
+        if not pages:
+            return None
+        parts = _trim(parts, pages * PAGE)
+        if in_order and self.ahead:
+            source.ahead(_file_offset(ranges, pages * PAGE), self.ahead)
+        fut = asyncio.get_running_loop().create_future()
+        fut.set_result((pages, parts))
+        return fut
+
+    def _read(self, dst: int, vaddr: int, nr: int, in_order: bool) -> tuple[int, list]:
+        """Read and check the first segment (or chunk) the request needs: ``(pages, views)``
+        from ``vaddr``, at least one page (two segments when one ends inside it)."""
+        t = time.perf_counter()
+        source, ranges = self._locate(dst, vaddr, nr)
+        off, n = ranges[0]
+        want = (source.segment_end(off) - off) // PAGE * PAGE
+        want = min(n, max(PAGE, want))
+        parts = source.read(off, want)
+        if in_order and self.ahead:
+            source.ahead(off + want, self.ahead)
         self.read_s += time.perf_counter() - t
-        return parts
+        return want // PAGE, parts
 
     async def _send(self, queue: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
         while True:
@@ -168,12 +190,13 @@ class PageServer:
                 await writer.drain()
                 self.closed.set()
                 continue
-            nr, vaddr, dst, fut = item
+            vaddr, dst, fut = item
             try:
-                data = await fut
+                nr, data = await fut
             except Exception as e:
                 self._fail(e)
                 continue
+            self._next[dst] = vaddr + nr * PAGE
             writer.write(IOV.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, nr, vaddr, dst))
             writer.writelines(data)
             try:
@@ -193,3 +216,24 @@ class PageServer:
         """Drop the connection (only once the tree it served is gone)."""
         if self._writer is not None:
             self._writer.close()
+
+
+def _trim(views: list[memoryview], length: int) -> list[memoryview]:
+    """The first ``length`` bytes of ``views``."""
+    out = []
+    for v in views:
+        if length <= 0:
+            break
+        out.append(v[:length])
+        length -= len(out[-1])
+    return out
+
+
+def _file_offset(ranges: list[tuple[int, int]], skip: int) -> int:
+    """The pages-file offset ``skip`` bytes into ``ranges``."""
+    for off, n in ranges:
+        if skip < n:
+            return off + skip
+        skip -= n
+    off, n = ranges[-1]
+    return off + n

@@ -100,25 +100,30 @@ class _Segmented:
             i += 1
         return out
 
-    def cached(self, offset: int, length: int) -> list[memoryview] | None:
-        """What :meth:`read` gives, if every segment it needs is checked and in memory
-        already (no waiting: callable from the event loop); else None."""
+    def prefix(self, offset: int, length: int) -> tuple[list[memoryview], int]:
+        """The checked bytes from ``offset`` that are in memory already, up to ``length``
+        and up to the first segment that is not (views, their total length; no waiting)."""
+        out: list[memoryview] = []
         if offset < 0 or offset + length > self.size:
-            return None
-        out = []
+            return out, 0
         i = bisect.bisect_right(self.starts, offset) - 1
         pos, end = offset, offset + length
         with self._lock:
             while pos < end:
                 data = self._cache.get(i)
                 if data is None:
-                    return None
+                    break
                 s = pos - self.starts[i]
                 piece = memoryview(data)[s : s + (end - pos)]
                 out.append(piece)
                 pos += len(piece)
                 i += 1
-        return out
+        return out, pos - offset
+
+    def segment_end(self, offset: int) -> int:
+        """Where the segment (or chunk) holding ``offset`` ends."""
+        i = bisect.bisect_right(self.starts, offset)
+        return self.starts[i] if i < len(self.starts) else self.size
 
     def ahead(self, offset: int, length: int) -> None:
         """Check the segments covering ``[offset, offset + length)`` in the pool, now."""
