@@ -168,6 +168,12 @@ class Suspension:
     server: Server
     started: float = field(default_factory=time.monotonic)
     phase: str = "preflight"
+    #: the checkpoint's id, once the backend knows it
+    id: str = ""
+
+
+#: why :meth:`CheckpointBackend.recover` undoes a suspension it finds under way
+INTERRUPTED = "the service stopped while this checkpoint was being written"
 
 
 class CheckpointBackend(LoggingConfigurable):
@@ -196,9 +202,12 @@ class CheckpointBackend(LoggingConfigurable):
         crash left behind (:meth:`recover`)."""
 
     async def recover(self) -> list[str]:
-        """Resolve suspensions a crash of the service left under way: each one is either
-        completed (its image verified: the frozen server is ended) or undone (the server
-        resumed, its GPU memory given back, the checkpoint marked ``failed``).
+        """Resolve suspensions a crash of the service left under way, with the hooks of
+        :meth:`checkpoint`: each one :meth:`do_unfinished` finds is either completed (its
+        dump finished, :meth:`do_dumped`, and checks out, :meth:`do_verify`: recorded by
+        :meth:`do_record`, its frozen processes ended by :meth:`do_end`) or undone
+        (:meth:`do_resume`: the server resumed, its GPU memory given back, the checkpoint
+        marked ``failed``). The hooks see ``phase == "recover"``.
 
         Returns
         -------
@@ -206,7 +215,30 @@ class CheckpointBackend(LoggingConfigurable):
             The ids of the checkpoints resolved. Backends with nothing to resolve (their
             suspensions run in an agent that recovers itself) return ``[]``.
         """
+        done = []
+        for s in await self.do_unfinished():
+            s.phase = "recover"
+            if await self.do_dumped(s):
+                try:
+                    await self.do_verify(s)
+                except (OSError, CheckpointError):
+                    pass  # undone below
+                else:
+                    info = await self.do_record(s)
+                    await self.do_end(s, info)
+                    done.append(info.id)
+                    continue
+            await self.do_resume(s, CheckpointError(INTERRUPTED))
+            done.append(s.id)
+        return done
+
+    async def do_unfinished(self) -> list[Suspension]:
+        """The suspensions a crash left under way (none of this process's own)."""
         return []
+
+    async def do_dumped(self, s: Suspension) -> bool:
+        """Whether the dump of an unfinished suspension ended and it can be completed."""
+        return False
 
     # ------------------------------------------------------------------ checkpoint
     async def check(self, server: Server) -> None:

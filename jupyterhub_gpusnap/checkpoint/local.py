@@ -180,6 +180,9 @@ class LocalSuspension(Suspension):
     pids: list[int] = field(default_factory=list)
     cuda_pids: list[int] = field(default_factory=list)
     follower: Follower | None = None
+    # found after a crash (recover): whether the server's root process runs, frozen
+    root_alive: bool = True
+    frozen: bool = True
 
 
 class LocalBackend(CheckpointBackend):
@@ -917,7 +920,9 @@ class LocalBackend(CheckpointBackend):
             pid,
             len(pids),
         )
-        return LocalSuspension(server, started=t0, folder=folder, manifest=m, pids=pids)
+        return LocalSuspension(
+            server, started=t0, id=self._id(folder), folder=folder, manifest=m, pids=pids
+        )
 
     async def do_freeze(self, s: LocalSuspension) -> None:
         """GPU memory to host memory (the CUDA checkpoint API): the GPU is free from here.
@@ -963,6 +968,8 @@ class LocalBackend(CheckpointBackend):
     async def do_verify(self, s: LocalSuspension) -> None:
         """Complete, checksummed, durable (:meth:`_verify_dump`), and the tree still frozen."""
         await self._verify_dump(s.folder, s.manifest, s.follower)
+        if s.phase == "recover":
+            return  # do_dumped checked the tree
         if not all(is_frozen(p) or not is_alive(p) for p in s.pids[:1]):
             raise CheckpointError(f"process {s.server.pid} is no longer frozen after the dump")
 
@@ -977,6 +984,11 @@ class LocalBackend(CheckpointBackend):
         """Only now, the image safe: the frozen tree is killed; a chunk checkpoint's raw
         files go, a lazy-mode one gets its page checksums in the background."""
         m, folder = s.manifest, s.folder
+        if s.phase == "recover":  # completed after a crash: a still-frozen tree goes
+            if s.frozen:
+                await self.kill_tree(s.pids)
+            self.log.warning("%s: checkpoint %s completed at recovery", s.server.key, s.id)
+            return
         await self.kill_tree(s.pids)
         self.image_store(m.storage).after_verified(folder)
         if m.storage == "files" and self.restore_mode == "lazy":
@@ -992,10 +1004,27 @@ class LocalBackend(CheckpointBackend):
             m.dump_seconds, m.seal_seconds, m.verification,
         )  # fmt: skip
 
+    async def _undo_interrupted(self, s: LocalSuspension, why: str) -> None:
+        """A suspension a crash interrupted, not to be completed: the tree resumed if it
+        runs (its GPU state may be checkpointed even if the service died before recording
+        it), the checkpoint failed."""
+        m, folder, key = s.manifest, s.folder, s.server.key
+        if s.root_alive:
+            await self._fail(folder, m, key, s.pids, m.cuda_pids or s.pids, why)
+            return
+        m.status, m.error = "failed", why + " and the process is gone"
+        if m.storage == "chunks":
+            _drop_image_files(folder)
+        m.save(folder)
+        self.log.error("%s: checkpoint %s failed at recovery: %s", key, s.id, m.error)
+
     async def do_resume(self, s: LocalSuspension, error: Exception) -> Exception:
         """SIGCONT, GPU memory back, the image kept ``failed`` (:meth:`_fail`); the error
         says why and that the server keeps running."""
         key = s.server.key
+        if s.phase == "recover":
+            await self._undo_interrupted(s, str(error))
+            return error
         if s.phase == "freeze":
             await self._fail(s.folder, s.manifest, key, s.pids, [], f"GPU checkpoint failed: {error}")
             return CheckpointError(f"{key}: GPU checkpoint failed, server left running: {error}")
@@ -1728,14 +1757,12 @@ class LocalBackend(CheckpointBackend):
         self.restored.pop(restored.pid, None)
 
     # ---------------------------------------------------------------- recovery
-    async def recover(self) -> list[str]:
-        """Resolve checkpoints left ``writing`` by a service that died mid-dump.
-
-        If the dump completed and the image checks out, the checkpoint is marked
-        verified and a still-frozen tree is killed; otherwise the tree is resumed
-        (SIGCONT, GPU memory back) and the checkpoint marked failed. Returns the ids.
-        """
-        done = []
+    async def do_unfinished(self) -> list[LocalSuspension]:
+        """Checkpoints left ``writing`` by a service that died mid-dump (not those this
+        process writes now). On the way, what a crash left of others: raw image files of
+        packed or failed-and-encrypted checkpoints go, and lazy restores the Hub left
+        unfinished are resolved (:meth:`_recover_lazy`, :meth:`_recover_gpu_behind`)."""
+        left = []
         for folder, m in self._load_all():
             if m.status != "writing" and (
                 m.storage == "chunks" or (m.status == "failed" and self.encryption_key_file)
@@ -1752,42 +1779,23 @@ class LocalBackend(CheckpointBackend):
             key = server_key(m.user, m.server)
             if key in self._active:  # being written by this process right now
                 continue
-            tree = [p for p in (m.extra.get("tree") or [m.pid]) if is_alive(p)]
             root_alive = is_alive(m.pid)
-            frozen = root_alive and is_frozen(m.pid)
-            dumped = _dump_finished(folder)
-            if dumped and (frozen or not root_alive):
-                try:
-                    await self._verify_dump(folder, m)
-                    problems = []
-                except (OSError, CheckpointError) as e:
-                    problems = [str(e)]
-                if not problems:
-                    m.status = "verified"
-                    m.verified_at = time.time()
-                    m.save(folder)
-                    if frozen:
-                        await self.kill_tree(tree)
-                    self.log.warning(
-                        "%s: checkpoint %s completed at recovery", key, self._id(folder)
-                    )
-                    done.append(self._id(folder))
-                    continue
-            why = "the service stopped while this checkpoint was being written"
-            if root_alive:
-                # GPU state may be checkpointed even if the service died before recording it
-                await self._fail(folder, m, key, tree, m.cuda_pids or tree, why)
-            else:
-                m.status, m.error = "failed", why + " and the process is gone"
-                if m.storage == "chunks":
-                    _drop_image_files(folder)
-                m.save(folder)
-                self.log.error(
-                    "%s: checkpoint %s failed at recovery: %s", key, self._id(folder), m.error
+            left.append(
+                LocalSuspension(
+                    Server(user=m.user, name=m.server, state={"pid": m.pid}),
+                    id=self._id(folder),
+                    folder=folder,
+                    manifest=m,
+                    pids=[p for p in (m.extra.get("tree") or [m.pid]) if is_alive(p)],
+                    root_alive=root_alive,
+                    frozen=root_alive and is_frozen(m.pid),
                 )
-            done.append(self._id(folder))
-        return done
+            )
+        return left
 
+    async def do_dumped(self, s: LocalSuspension) -> bool:
+        """CRIU said it finished, and the tree is still frozen (or gone)."""
+        return _dump_finished(s.folder) and (s.frozen or not s.root_alive)
 
     async def _recover_gpu_behind(self, folder: Path, m: Manifest) -> None:
         """A lazy restore whose pages all came but whose GPU memory the restoring process
