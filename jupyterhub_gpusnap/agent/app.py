@@ -79,6 +79,7 @@ from .handlers import (
     SignalsHandler,
     UnparkHandler,
 )
+from .interrupted import InterruptedCheckpoints
 from .kept import KeptArchives
 from .kubelet import KubeletClient
 from .placeholder import JOINABLE_NAMESPACES, PLACEHOLDER_ANNOTATION, Placeholder, pick_root
@@ -427,31 +428,11 @@ class AgentApp(Application):
     async def resume_interrupted(self) -> list[int]:
         """After a crash: give back the GPU memory of pods whose checkpoint the agent was
         taking when it died (their servers run on, so their GPU work must not stay frozen);
-        delete the half-shipped archives. Returns the pids resumed."""
-        resumed: list[int] = []
-        if not self.in_progress_dir.is_dir():
-            return resumed
-        for marker in sorted(self.in_progress_dir.glob("*.json")):
-            try:
-                record = json.loads(marker.read_text())
-                pids = [int(p) for p in record["pids"]]
-                ns, name, container = record["namespace"], record["pod"], record["container"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                self.log.error("unreadable checkpoint record %s (%s): left for an admin", marker, e)
-                continue
-            try:
-                done = await self.cuda.resume(pids)
-            except CheckpointError as e:
-                self.log.error("%s/%s: GPU memory of an interrupted checkpoint not resumed: %s", ns, name, e)
-                continue
-            resumed += done
-            self.log.warning(
-                "%s/%s: the agent stopped during its checkpoint; GPU memory of pids %s resumed, "
-                "the server runs on", ns, name, done,
-            )  # fmt: skip
-            sweep_archives(Path(self.checkpoint_dir), ns, name, container, self.log)
-            marker.unlink(missing_ok=True)
-        return resumed
+        delete the half-shipped archives. The base's crash recovery does it
+        (:mod:`.interrupted`). Returns the pids resumed."""
+        interrupted = InterruptedCheckpoints(self)
+        await interrupted.recover()
+        return interrupted.resumed
 
     @property
     def kept_archives(self) -> KeptArchives:
