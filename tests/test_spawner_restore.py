@@ -23,11 +23,14 @@ CHECKPOINT = {"id": "ckpt-1", "created": 1795000000.0, "image_bytes": 3 * 1024**
 class Answering:
     """An HTTP server answering ``/user/alice/api`` (the restored server)."""
 
-    def __init__(self):
+    def __init__(self, first_answer_after: float = 0.0):
         self.port = free_port()
+        slow = [first_answer_after]
 
         class Api(web.RequestHandler):
-            def get(self):
+            async def get(self):
+                delay, slow[0] = slow[0], 0.0
+                await asyncio.sleep(delay)
                 self.write({"version": "2"})
 
         self.server = HTTPServer(web.Application([(r"/user/alice/api", Api)]))
@@ -134,6 +137,21 @@ async def test_restore_waits_for_the_server_then_takes_its_token_back():
         "Memory restored; waiting for the server to answer…",
         "Server restored from its snapshot.",
     ]
+
+
+async def test_a_restored_server_slow_to_give_its_first_answer_is_still_handed_out():
+    """A lazily restored server may take longer than one poll's 5 s request timeout to
+    answer its first request (its memory still coming back): that is another poll, not a
+    failed restore."""
+    server = Answering(first_answer_after=6.0)
+    try:
+        s = make(restore_timeout=30.0)
+        s.restore_to = server.url
+        url, messages = await start_with_progress(s)
+    finally:
+        server.stop()
+    assert url == server.url and s.calls == ["restore", "restored"], s.calls
+    assert messages[-1] == "Server restored from its snapshot."
 
 
 async def test_a_failed_restore_falls_back_keeps_the_fresh_token_revokes_the_old():
