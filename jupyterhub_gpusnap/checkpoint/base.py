@@ -6,15 +6,24 @@ default where a backend may have nothing to do. Optional abilities are declared 
 capabilities (:attr:`CheckpointBackend.supports_park`,
 :attr:`CheckpointBackend.supports_gpu_memory`), never found by probing for attributes.
 
+The base class owns the protocol, the way dask-gateway's ``DBBackendBase`` owns a
+cluster's life: :meth:`~CheckpointBackend.checkpoint` (preflight once, freeze, dump, verify,
+record, end; undo on any failure), :meth:`~CheckpointBackend.recover` (what a crash left
+under way, with the same hooks) and :meth:`~CheckpointBackend.apply_retention`.
+
 Subclasses should implement:
 
-- :meth:`~CheckpointBackend.checkpoint` (and :meth:`~CheckpointBackend.check`)
+- the hooks of a suspension: ``do_preflight`` (refuses), ``do_freeze``, ``do_dump``,
+  ``do_verify``, ``do_record``, ``do_end``, ``do_resume`` (what a failure undoes)
 - :meth:`~CheckpointBackend.restore`
 - :meth:`~CheckpointBackend.latest`, :meth:`~CheckpointBackend.list`,
   :meth:`~CheckpointBackend.delete`
 
-and may override the rest (records kept after the fact, crash recovery, retention,
-scrub, the capabilities and what a local spawner needs of the host).
+and may supply ``do_unfinished``/``do_dumped`` (crash recovery),
+``do_expired``/``do_delete``/``do_after_retention`` (retention, the rule being
+:func:`expired`), and override the rest (records kept after the fact, scrub, the
+capabilities, what a local spawner needs of the host). Where a local image is kept is
+its own axis: :mod:`.image_store`.
 """
 
 from __future__ import annotations
