@@ -349,6 +349,11 @@ class Decision:
     last_active: float = 0.0  # the status's new last_active
     idle_since: float | None = None  # when the idle period began (last activity or interaction)
 
+    @property
+    def effects(self) -> list[Effect]:
+        """The effects of this tick for the watcher to carry out: its one action, if any."""
+        return [Effect(self.action)] if self.action else []
+
 
 def decide(status: ServerStatus, sample: Sample, rule: Rule, now: float) -> Decision:
     """The next state and action for one server, from its status, a fresh sample and its rule."""

@@ -2,7 +2,7 @@
 
 The policy decides every state change (:mod:`.policy`: ``step`` for a tick's sample,
 ``transition`` for everything else); the watcher persists what it returns and carries out
-its effects (:meth:`Watcher.act` for a tick's actions, :meth:`Watcher.execute` for events),
+its effects in one executor (a tick's actions, and events through :meth:`Watcher.execute`),
 parking and making room through :class:`~.room.Room`. Handlers reach it only through
 :class:`~.service.Service`. The watcher owns *when*; checkpoint backends own *how*. A server is stopped only
 after its backend returned a verified checkpoint; every failure leaves it running,
@@ -15,7 +15,7 @@ import asyncio
 import gc
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 
 from traitlets import Float, Integer
@@ -291,7 +291,7 @@ class Watcher(LoggingConfigurable):
             self._merge_keep(new, now)
             self.store.put(new)
             if decision.action:
-                actions.append(self.act(decision.action, server, new, decision))
+                actions.extend(self._execute(new, status.state, decision.effects, server, decision)[1])
         if actions:
             await asyncio.gather(*actions)
         self._start_due()
@@ -442,17 +442,11 @@ class Watcher(LoggingConfigurable):
                 forget(key)
 
     # ------------------------------------------------------------------ actions
-    async def act(self, action: str, server: Server, status: ServerStatus, decision: Decision) -> None:
-        if action == "warn":
-            event = self.store.record_event(status.key, "warn", {"suspend_at": decision.suspend_at})
-            metrics.ACTIONS.labels(action="warn", result="ok").inc()
-            await self._notify("warning", status, str(event), {"suspend_at": decision.suspend_at,
-                                                               "idle_seconds": decision.idle_seconds})
-        elif action in ("suspend", "stop"):
-            # started once the tick has seen every server, the longest idle first
-            self._due.append((-decision.idle_seconds, server.key, server, action == "stop", decision.reason))
-        elif action in ("park", "unpark"):
-            await self.room.park(server, status, unpark=(action == "unpark"))
+    async def _warn(self, status: ServerStatus, decision: Decision) -> None:
+        event = self.store.record_event(status.key, "warn", {"suspend_at": decision.suspend_at})
+        metrics.ACTIONS.labels(action="warn", result="ok").inc()
+        await self._notify("warning", status, str(event), {"suspend_at": decision.suspend_at,
+                                                           "idle_seconds": decision.idle_seconds})  # fmt: skip
 
     def _start_due(self) -> None:
         """Start this tick's suspensions, the longest idle first: with more due than
@@ -566,27 +560,40 @@ class Watcher(LoggingConfigurable):
         new, effects = transition(status, Event(kind, now, reason, detail))
         was = status.state
         status.__dict__.update(new.__dict__)
-        ids = self._execute(status, was, effects)
+        ids, pending = self._execute(status, was, effects)
+        for coro in pending:  # an exemption's unpark: in the background, as a tick's would be
+            task = asyncio.ensure_future(coro)
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
         if persist:
             self.store.put(status, now=True)
         return ids
 
-    def _execute(self, status: ServerStatus, was: State, effects: list[Effect]) -> dict[str, int]:
+    def _execute(self, status: ServerStatus, was: State, effects: list[Effect], server: Server | None = None,
+                 decision: Decision | None = None) -> tuple[dict[str, int], list[Coroutine]]:  # fmt: skip
+        """The one executor: carry out the policy's effects for ``status`` (whose state was
+        ``was``), in order. Returns the ids of the events recorded, by kind, and what is left
+        to await (a warning's email, a park or unpark); suspensions start once the tick has
+        seen every server, the longest idle first (:meth:`_start_due`)."""
         ids: dict[str, int] = {}
+        pending: list[Coroutine] = []
         for effect in effects:
-            if effect.action == "record":
+            action = effect.action
+            if action == "record":
                 if effect.kind == "state":
                     self.log.info("%s: %s -> %s (%s)", status.key, was, status.state, effect.detail["reason"])
                 ids[effect.kind] = self.store.record_event(status.key, effect.kind, effect.detail)
-            elif effect.action == "forget":
+            elif action == "forget":
                 self._forget(status.key)
-            elif effect.action == "unpark":
-                server = self.servers.get(status.key)
+            elif action == "warn":
+                pending.append(self._warn(status, decision))
+            elif action in ("suspend", "stop"):
+                self._due.append((-decision.idle_seconds, server.key, server, action == "stop", decision.reason))
+            elif action in ("park", "unpark"):
+                server = server or self.servers.get(status.key)
                 if server is not None:
-                    task = asyncio.ensure_future(self.room.park(server, status, unpark=True))
-                    self._background.add(task)
-                    task.add_done_callback(self._background.discard)
-        return ids
+                    pending.append(self.room.park(server, status, unpark=(action == "unpark")))
+        return ids, pending
 
     async def _notify(self, kind: str, status: ServerStatus, event_ref: str, detail: dict,
                       wait_claim: bool = False) -> None:  # fmt: skip

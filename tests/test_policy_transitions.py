@@ -251,3 +251,11 @@ def test_handlers_go_through_the_service():
         assert ".watcher" not in path.read_text(), (
             f"{path.name} reaches into the watcher; use self.service"
         )
+
+
+def test_a_ticks_decision_is_its_effects():
+    """A tick's one action reaches the watcher's executor as an effect, like an event's."""
+    warned = decide(status(ID, last_active=T0), _quiet(T0 + 2700), Rule(min_running=0), T0 + 2700)
+    assert (warned.state, warned.effects) == (W, [Effect("warn")])
+    quiet = decide(status(ID, last_active=T0), _quiet(T0 + 100), Rule(min_running=0), T0 + 100)
+    assert (quiet.state, quiet.effects) == (ID, [])
