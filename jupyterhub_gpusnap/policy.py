@@ -54,6 +54,8 @@ Transitions made by :func:`transition` on everything else that happens to a serv
     suspended          any                         suspended               state, suspend event
     stopped            any                         (record dropped)        stop event, forget
     returned           suspended                   active (restored_at)    restore or restore_failed event
+    restore_unfinished any (gone after a restore   (record dropped)        restore_failed event, forget
+                       that could not finish)
     interrupted        suspending, server runs     active                  suspend_interrupted event
                        suspending, server gone     (record dropped)        suspend_interrupted event, forget
     park_refused       any                         idle                    state
@@ -473,7 +475,8 @@ class Effect:
 #: Event kinds :func:`transition` takes.
 EVENTS = (
     "suspend_started", "suspend_refused", "suspend_failed", "stop_failed", "suspended", "stopped",
-    "returned", "interrupted", "park_refused", "parked", "keep", "keep_ended", "exempt", "exempt_lifted",
+    "returned", "restore_unfinished", "interrupted", "park_refused", "parked", "keep", "keep_ended",
+    "exempt", "exempt_lifted",
 )  # fmt: skip
 _FAILED = {"suspend_failed", "stop_failed"}
 _RUNNING = (State.active, State.idle, State.warned, State.parked, State.failed, State.exempt)
@@ -509,6 +512,10 @@ def transition(status: ServerStatus, event: Event) -> tuple[ServerStatus, list[E
         record = {k: v for k, v in detail.items() if k not in ("restored", "started")}
         effects.append(Effect("record", "restore" if restored else "restore_failed", record))
         return _replaced(status, changes), effects
+    elif kind == "restore_unfinished":
+        # a lazy restore handed the server out, then could not bring all of it back (a
+        # damaged page, its GPU memory): the server was stopped; its snapshot is kept
+        return status, [Effect("record", "restore_failed", dict(detail)), Effect("forget")]
     elif kind == "interrupted":
         record = Effect("record", "suspend_interrupted", {"error": detail.get("error", "")})
         if not detail.get("running", True):

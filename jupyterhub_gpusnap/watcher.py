@@ -23,6 +23,7 @@ from traitlets.config import LoggingConfigurable
 
 from . import metrics
 from .checkpoint.base import CheckpointBackend, CheckpointError, CheckpointRefused
+from .checkpoint.lazy import UNFINISHED
 from .hub import HubClient, HubError
 from .model import Sample, Server, State
 from .policy import Decision, Effect, Event, Policy, ServerStatus, clamp_keep, step, transition
@@ -425,8 +426,33 @@ class Watcher(LoggingConfigurable):
                 # finished, unreadable now, or failed with no server left: the policy forgets it)
                 await self._interrupted(status, None, now)
                 continue
-            if status.state not in OFFLINE:
+            if status.state not in OFFLINE and not await self._restore_unfinished(status, now):
                 self._forget(status.key)
+
+    async def _restore_unfinished(self, status: ServerStatus, now: float) -> bool:
+        """A restored server that is gone because its restore could not be finished after it
+        ran (a lazy restore: a damaged page, or its GPU memory; the backend stopped it and
+        failed its snapshot): recorded, counted and told as the failed restore it is, not as
+        a stop. False for any other server gone."""
+        if not (status.restored_at and status.checkpoint_id and self.backend is not None):
+            return False
+        try:
+            info = await self.backend.get(status.checkpoint_id)
+        except Exception as e:
+            self.log.warning("%s: could not read checkpoint %s: %s", status.key, status.checkpoint_id, e)
+            return False
+        if info is None or info.status != "failed" or not (info.error or "").startswith(UNFINISHED):
+            return False
+        detail = {"checkpoint": status.checkpoint_id, "error": info.error, "image_bytes": info.image_bytes,
+                  "gpu_bytes": info.gpu_bytes}  # fmt: skip
+        if info.extra.get("retention_days") is not None:
+            detail["retention_days"] = info.extra["retention_days"]
+        ids = self.execute(status, "restore_unfinished", info.error, persist=False, now=now, **detail)
+        metrics.ACTIONS.labels(action="restore", result="failed").inc()
+        metrics.FAILURES.labels(kind="restore").inc()
+        self.log.error("%s: restored from checkpoint %s, then stopped: %s", status.key, status.checkpoint_id, info.error)
+        await self._notify("restore_failed", status, str(ids["restore_failed"]), detail)
+        return True
 
     def _forget(self, key: str) -> None:
         """Drop a server's record, metrics and signal state (it is gone, and not suspended)."""

@@ -318,6 +318,7 @@ async def test_gpu_memory_comes_back_behind_the_first_answer(tmp_path, process_t
         return
     assert m.status == "failed", m.extra
     assert "restoring GPU memory" in m.error and "CUDA_ERROR_OUT_OF_MEMORY" in m.error, m.error
+    assert m.error.startswith(lazy.UNFINISHED)  # what the service tells a failed restore by
     assert lazy.LAZY_RESTORES.labels(result="failed")._value.get() == failed + 1
     assert_gone(pids)
 

@@ -83,3 +83,52 @@ async def test_a_tick_parks_and_warns_and_an_exemption_unparks(tmp_path):
     assert (status.state, status.exempt) == (State.active, False)
     assert service.model(store.get("alice/"))["exempt"] is False
     store.close()
+
+
+class Snapshots:
+    """The backend's word on alice's snapshot c1 (``get`` only: all the watcher asks here)."""
+
+    def __init__(self, status: str, error: str = ""):
+        self.status, self.error = status, error
+
+    async def get(self, cid: str):
+        return SimpleNamespace(id=cid, status=self.status, error=self.error, image_bytes=5 * GIB,
+                               gpu_bytes=2 * GIB, extra={"retention_days": 30})  # fmt: skip
+
+
+async def test_a_restored_server_gone_because_its_restore_could_not_finish_is_a_failed_restore(
+    tmp_path,
+):
+    """A lazy restore hands the server out, then cannot bring all of it back (a damaged page,
+    its GPU memory): the backend stops the server and fails the snapshot. The watcher sees
+    the server gone and records, counts and tells a failed restore (the user's email says
+    the snapshot is kept), not a stop; a restored server the user stopped stays a stop."""
+    from jupyterhub_gpusnap import metrics
+    from jupyterhub_gpusnap.policy import ServerStatus
+
+    why = "lazy restore failed after the server ran: pages-1.img: the 64 KiB block at offset 0 (damaged)"
+    for backend, failed in ((Snapshots("failed", why), True), (Snapshots("restored"), False)):
+        store = Store(f"sqlite:///{tmp_path}/gpusnap-{failed}.sqlite")
+        store.put(ServerStatus(key="alice/", user="alice", name="", state=State.active, state_since=T,
+                               last_active=T, started=T, restored_at=T, checkpoint_id="c1"))  # fmt: skip
+        watcher = Watcher(hub=Hub([]), store=store, policy=Policy([], Rule()), sources=[QuietGpu()],
+                          backend=backend, clock=lambda: T + 60, log=log)  # fmt: skip
+        told: list = []
+
+        async def notify(kind, status, event_id, detail, told=told, **kw):
+            told.append((kind, detail))
+
+        watcher._notify = notify
+        before = metrics.FAILURES.labels(kind="restore")._value.get()
+        await watcher.tick()
+        assert store.get("alice/") is None  # gone: not suspended, nothing left to watch
+        kinds = [e["kind"] for e in store.events("alice/")]
+        after = metrics.FAILURES.labels(kind="restore")._value.get()
+        if failed:
+            assert kinds == ["restore_failed"], kinds
+            [event] = [e for e in store.events("alice/") if e["kind"] == "restore_failed"]
+            assert event["detail"]["error"] == why and event["detail"]["checkpoint"] == "c1"
+            assert [k for k, _ in told] == ["restore_failed"] and told[0][1]["retention_days"] == 30
+            assert after == before + 1
+        else:
+            assert "restore_failed" not in kinds and told == [] and after == before, (kinds, told)

@@ -75,6 +75,12 @@ LAZY_RESTORES = Counter(
 )
 
 
+#: How the error of a snapshot whose lazy restore handed the server out and could not
+#: finish begins (the backend stopped that server and failed the snapshot); the service
+#: records such a server's end as a failed restore, not a stop.
+UNFINISHED = "lazy restore failed"
+
+
 class LazyUnavailable(CheckpointError):
     """This image cannot be restored lazily (no or damaged page sums), though it may well
     be intact: restore it eagerly. Nothing was started."""
