@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The container runtime the Kubernetes tests run real pods with (tests/oci_runtime.py):
+# The container runtime the Kubernetes tests run real pods with (tests/helpers/oci_runtime.py):
 # Debian's runc (1.1.5; checkpoints through our CRIU 4.2.1, .ci/install-criu.sh) and
 # mmdebstrap, then the notebook image's root filesystem (Debian bookworm with python3,
 # jupyter-server and ipykernel), built once and cached under /var/cache/gpusnap-test
@@ -16,5 +16,5 @@ if [ ${#missing[@]} -gt 0 ]; then
   apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null
 fi
 start=$(date +%s)
-rootfs=$(python3 -c 'import sys; sys.path.insert(0, "tests"); import oci_runtime; print(oci_runtime.image_rootfs())')
+rootfs=$(python3 -c 'from tests.helpers import oci_runtime; print(oci_runtime.image_rootfs())')
 echo "container runtime: $(runc --version | head -1), image root filesystem $rootfs ($(( $(date +%s) - start )) s)"

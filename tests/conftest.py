@@ -1,4 +1,4 @@
-"""Shared fixtures: a real JupyterHub (see realhub.py) and helpers for real process trees.
+"""Shared fixtures: a real JupyterHub (see helpers/realhub.py) and helpers for real process trees.
 
 ``hub_factory`` starts hubs from a config text and stops every one of them (servers
 included) at teardown; ``hub`` is one hub with the harness defaults (simple spawner).

@@ -1,6 +1,6 @@
 """Make room on Kubernetes: free GPU memory per GPU of each node, read from the node agents.
 
-The API server is the wire-level fake (tests/fake_kube.py); each GPU node runs a real
+The API server is the wire-level fake (tests/helpers/fake_kube.py); each GPU node runs a real
 agent (its own loopback address, its own /proc and cgroup tree); NVML and libcuda are the
 ctypes-level fakes of tests/test_cuda_absent.py, whose memory follows what the fake driver
 checkpointed (tests/test_make_room.py SharedGpus). The servers' processes are real.

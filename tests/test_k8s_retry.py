@@ -1,4 +1,4 @@
-"""The hub side's API-server calls through a gateway that fails (tests/fault_proxy.py in front
+"""The hub side's API-server calls through a gateway that fails (tests/helpers/fault_proxy.py in front
 of the wire-level fake API server): what fails for a moment (no answer, 5xx) is tried again
 with backoff, a 4xx never is; a create or delete whose answer was lost is not done twice."""
 
@@ -13,9 +13,9 @@ import pytest
 from traitlets import TraitError
 from traitlets.config import Config
 
-from jupyterhub_gpusnap.kube.errors import AgentError
 from jupyterhub_gpusnap.checkpoint.base import CheckpointInfo
 from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
+from jupyterhub_gpusnap.kube.errors import AgentError
 from tests.helpers.fake_kube import HUB_USER, FakeKube
 from tests.helpers.fault_proxy import Fault, FaultProxy
 

@@ -1,6 +1,6 @@
 """SnapKubeSpawner against a wire-level fake Kubernetes API server and node agent.
 
-The fake API server (tests/fake_kube.py, shared with the agent's tests) is a real tornado
+The fake API server (tests/helpers/fake_kube.py, shared with the agent's tests) is a real tornado
 HTTP server answering the exact REST paths KubeSpawner (through kubernetes_asyncio) uses,
 with Pod/Status/WatchEvent JSON; every created pod is validated with kubernetes_validate.
 Its "scheduler" honours nodeSelector, required node affinity (``In``) and GPU capacity, so

@@ -1,8 +1,8 @@
 """SnapKubeSpawner's restore path against the real node agent and a real container runtime.
 
 The whole suspension on Kubernetes, with nothing faked but the API server and the kubelet's
-HTTP front (tests/fake_kube.py): SnapKubeSpawner starts a server whose pod runs as a real
-runc container (tests/oci_runtime.py) with a live kernel; the service's KubernetesBackend
+HTTP front (tests/helpers/fake_kube.py): SnapKubeSpawner starts a server whose pod runs as a real
+runc container (tests/helpers/oci_runtime.py) with a live kernel; the service's KubernetesBackend
 has the real agent (``jupyterhub-gpusnap-agent``, a process started as in production)
 checkpoint it through the kubelet and push it to a real registry (Debian's
 docker-registry), and records it; the spawner's ``stop()`` finds that record, its next
@@ -13,7 +13,7 @@ kernel answers ``x`` with 42.
 Pods that KubeSpawner creates through the API are run by :class:`RealKubelet` below: when the
 fake API server schedules one, it starts a real container in a pod sandbox of its own (the
 pod's UID, the container's ID, the sandbox's IP in the pod status) and deletes it with the
-pod. The agent is reached through tests/fault_proxy.py, a gateway that can fail.
+pod. The agent is reached through tests/helpers/fault_proxy.py, a gateway that can fail.
 """
 
 from __future__ import annotations

@@ -286,8 +286,8 @@ async def test_pvc_copy_is_verified_and_fetched_back(tmp_path):
 
 
 async def test_tar_with_escaping_paths_is_refused(tmp_path):
-    from jupyterhub_gpusnap.kube import AgentError
     from jupyterhub_gpusnap.agent.ship import extract_archive
+    from jupyterhub_gpusnap.kube import AgentError
 
     evil = tmp_path / "evil.tar"
     evil.write_bytes(tar_bytes({"../../etc/cron.d/x": b"* * * * * root sh\n"}))

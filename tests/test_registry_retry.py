@@ -1,5 +1,5 @@
 """Registry pushes through a gateway that fails: the real registry (Debian's docker-registry)
-behind tests/fault_proxy.py, which answers 502 to the requests a test names.
+behind tests/helpers/fault_proxy.py, which answers 502 to the requests a test names.
 
 A chunked upload that meets a 502 resumes where the registry is (``GET`` on the upload URL,
 ``Range``) instead of starting over; one the registry dropped starts again; idempotent
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from traitlets.config import Config
 
-from jupyterhub_gpusnap.kube.errors import AgentError
 from jupyterhub_gpusnap.agent.ship import Shipper
 from jupyterhub_gpusnap.checkpoint import oci
+from jupyterhub_gpusnap.kube.errors import AgentError
 from tests.helpers.fault_proxy import Fault, FaultProxy
 from tests.helpers.registry import Registry
 
