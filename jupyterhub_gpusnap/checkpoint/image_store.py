@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -41,6 +43,7 @@ from .manifest import (
     seal_image,
     verify_image,
 )
+from .streamer import SOCKET_NAME as STREAMER_SOCKET
 from .streamer import ChunkStreamer
 
 if TYPE_CHECKING:
@@ -58,6 +61,70 @@ def drop_image_files(folder: Path) -> int:
         except OSError:
             continue
     return freed
+
+
+STAGING_PREFIX = "gpusnap-restore-"
+
+
+def staging(folder: Path, nbytes: int, key: str, staging_dir: str, log) -> Path:
+    """Where a chunk image is unpacked for CRIU: a new root-only folder in
+    ``staging_dir`` (``restore_staging_dir``) when it has room, else the checkpoint folder."""
+    margin = 256 << 20
+    if staging_dir and os.path.isdir(staging_dir):
+        try:
+            if shutil.disk_usage(staging_dir).free >= nbytes + margin:
+                return Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=staging_dir))
+        except OSError as e:
+            log.warning("%s: cannot use %s for the restore (%s)", key, staging_dir, e)
+    free = shutil.disk_usage(folder).free
+    if free < nbytes:
+        raise CheckpointError(
+            f"{key}: {free / 2**30:.1f} GiB free in {folder}, the image needs "
+            f"{nbytes / 2**30:.1f} GiB unpacked: free disk space (or memory in "
+            f"LocalBackend.restore_staging_dir = {staging_dir!r}) and spawn again"
+        )
+    return folder
+
+
+def stream_dir(staging_dir: str, log) -> Path:
+    """A new root-only folder for CRIU's streamer socket and log: in ``staging_dir``
+    (``restore_staging_dir``), else /tmp (a socket's path must stay under 108 bytes)."""
+    room = 107 - len(f"/{STAGING_PREFIX}12345678/{STREAMER_SOCKET}")
+    for where in (staging_dir, tempfile.gettempdir()):
+        if where and os.path.isdir(where) and len(os.path.abspath(where)) <= room:
+            try:
+                return Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=where))
+            except OSError as e:
+                log.warning("cannot use %s for a restore's streamer socket (%s)", where, e)
+    raise CheckpointError(
+        "no folder for CRIU's streamer socket: set LocalBackend.restore_staging_dir to a short, "
+        "writable path (e.g. /dev/shm) or LocalBackend.restore_streaming = False"
+    )
+
+
+def unstage(folder: Path, images: Path) -> None:
+    """Remove unpacked image files; keep CRIU's restore log in the checkpoint folder."""
+    if images == folder:
+        drop_image_files(folder)
+        return
+    for log in images.glob("restore-*.log"):
+        with contextlib.suppress(OSError):
+            shutil.copyfile(log, folder / log.name)
+    shutil.rmtree(images, ignore_errors=True)
+
+
+def clear_staging(staging_dir: str, log, older_than: float = 3600.0) -> None:
+    """Remove unpacked images a crashed restore left in ``staging_dir`` (they hold users'
+    memory); only those untouched for ``older_than`` s (a restore may be running)."""
+    staging = Path(staging_dir) if staging_dir else None
+    if staging is None or not staging.is_dir():
+        return
+    now = time.time()
+    for left in staging.glob(STAGING_PREFIX + "*"):
+        with contextlib.suppress(OSError):
+            if now - left.stat().st_mtime > older_than:
+                shutil.rmtree(left)
+                log.warning("removed %s, left by an interrupted restore", left)
 
 
 @dataclass
@@ -177,6 +244,10 @@ class ChunksStore(ImageStore):
 
     name = "chunks"
 
+    def __init__(self, backend: LocalBackend):
+        super().__init__(backend)
+        self._pipe_noted = False
+
     def store_or_fail(self) -> ChunkStore:
         """The chunk store to write to (a bad key file fails the checkpoint)."""
         try:
@@ -226,6 +297,19 @@ class ChunksStore(ImageStore):
                 raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
             m.verification = "read-back"
 
+    def note_small_pipe(self, streamer: ChunkStreamer) -> None:
+        """Once per process: streamed restores get a smaller pipe than asked for."""
+        if 0 < streamer.pipe_got < streamer.pipe_bytes and not self._pipe_noted:
+            self._pipe_noted = True
+            self.backend.log.info(
+                "Streamed restores get a %d KiB pipe, not the %d KiB of "
+                "LocalBackend.restore_pipe_bytes: this process may not exceed "
+                "/proc/sys/fs/pipe-max-size. Raise it on this machine (sysctl -w "
+                "fs.pipe-max-size=%d) for faster streamed restores, or set restore_pipe_bytes to %d.",
+                streamer.pipe_got >> 10, streamer.pipe_bytes >> 10, streamer.pipe_bytes,
+                streamer.pipe_got,
+            )  # fmt: skip
+
     def after_verified(self, folder: Path) -> None:
         """CRIU's raw files are the server's memory, unencrypted: gone once packed."""
         drop_image_files(folder)
@@ -237,7 +321,7 @@ class ChunksStore(ImageStore):
         if b.restore_streaming:
             # CRIU reads the image from the streamer, which checks every chunk before CRIU
             # gets its bytes; the tree is handed out only if the streamer found nothing wrong.
-            images = b._stream_dir()
+            images = stream_dir(b.restore_staging_dir, b.log)
             threads = b.hash_threads or os.cpu_count() or 1
             streamer = ChunkStreamer(
                 store, m.key_id, m.chunks, images, window=4 * threads, prefetch=16 * threads,
@@ -246,7 +330,7 @@ class ChunksStore(ImageStore):
             try:
                 streamer.start()
             except OSError as e:
-                b._unstage(folder, images)
+                unstage(folder, images)
                 raise CheckpointError(
                     f"{key}: cannot start the image streamer in {images}: {e}"
                 ) from e
@@ -262,23 +346,23 @@ class ChunksStore(ImageStore):
                 yield ImageSource(images, check_pages, streamer)
             finally:
                 await check_pages()  # the senders have stopped before the folder goes
-                b._unstage(folder, images)
+                unstage(folder, images)
             return
         # Every chunk is checked against its id while it is unpacked: nothing runs from
         # a damaged image. The unpacked files only feed CRIU and go afterwards.
-        images = b._staging(folder, m.image_bytes, key)
+        images = staging(folder, m.image_bytes, key, b.restore_staging_dir, b.log)
         try:
             problems = await asyncio.to_thread(store.unpack, m.key_id, m.chunks, m.sizes, images)
         except BaseException:
-            b._unstage(folder, images)
+            unstage(folder, images)
             raise
         if problems:
-            b._unstage(folder, images)
+            unstage(folder, images)
             raise job.damaged(problems)
         try:
             yield ImageSource(images, lambda: asyncio.ensure_future(asyncio.sleep(0, [])))
         finally:
-            b._unstage(folder, images)
+            unstage(folder, images)
 
     # -- housekeeping of the shared store ------------------------------------------------
     async def sweep(self) -> tuple[int, int]:

@@ -31,7 +31,12 @@ fresh server). GPU memory is only restored once every checksum matched.
 
 ``restore_mode = "lazy"`` (docs/lazy-restore.md) runs the tree before its memory is back,
 each page checked as it arrives (lazy.py); a damaged page then kills the running tree and
-marks the checkpoint failed. Its GPU memory is restored before the server is handed out.
+marks the checkpoint failed. Its GPU memory comes back behind the first answer.
+
+The steps are :class:`~.base.CheckpointBackend`'s protocol; this module supplies its hooks
+(``do_preflight`` to ``do_resume``; ``do_unfinished``/``do_dumped`` for crash recovery;
+``do_expired`` for retention). Where the image is kept (``storage``: files or chunks) is
+:mod:`.image_store`; the lazy restore is :mod:`.local_lazy`.
 """
 
 from __future__ import annotations
@@ -45,7 +50,6 @@ import shutil
 import signal
 import socket
 import stat
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,7 +64,7 @@ from .. import sandbox
 from ..gpu.compat import gpu_mismatch
 from ..model import Server, server_key
 from ..procs import boot_clock, started_since, tree_pids
-from . import criu, lazy
+from . import criu
 from . import scrub as chunk_scrub
 from .base import (
     CheckpointBackend,
@@ -75,24 +79,28 @@ from .base import (
     protected,
 )
 from .chunks import PAGE, STORE, ChunkStore, Follower
-from .image_store import ChunksStore, FilesStore, ImageSource, ImageStore, RestoreJob
+from .image_store import (
+    ChunksStore,
+    FilesStore,
+    ImageSource,
+    ImageStore,
+    RestoreJob,
+    clear_staging,
+)
 from .image_store import drop_image_files as _drop_image_files
 from .keys import Key, KeyFileError, load_keys
+from .local_lazy import LazyRestoreMixin
 from .manifest import (
     CHUNK_BYTES,
     MANIFEST,
     Manifest,
     check_complete,
-    is_pages_file,
     verify_image,
 )
-from .page_sums import sums_name, write_sums
-from .streamer import PIPE_BYTES, ChunkStreamer
-from .streamer import SOCKET_NAME as STREAMER_SOCKET
+from .streamer import PIPE_BYTES
 
 DEFAULT_NAME = "_default"
 REPLICAS = ".chunks-replica"  # replica_dir's default, in checkpoint_dir
-STAGING_PREFIX = "gpusnap-restore-"
 _TS = "%Y%m%dT%H%M%S"
 
 
@@ -185,7 +193,7 @@ class LocalSuspension(Suspension):
     frozen: bool = True
 
 
-class LocalBackend(CheckpointBackend):
+class LocalBackend(LazyRestoreMixin, CheckpointBackend):
     """Checkpoints servers running on this host with CRIU (+ the CUDA checkpoint API)."""
 
     checkpoint_dir = Unicode(
@@ -496,7 +504,6 @@ class LocalBackend(CheckpointBackend):
         self._reserved: dict[str, int] = {}  # disk bytes held per suspension under way
         self._cuda_obj = None
         self._cuda_missing = False
-        self._pipe_noted = False
         self._stores: dict[str, ImageStore] = {}
         self.restored: dict[int, criu.Restored] = {}
         #: checkpoint id -> the task writing its page checksums (restore_mode = 'lazy')
@@ -752,21 +759,8 @@ class LocalBackend(CheckpointBackend):
                 await asyncio.to_thread(cuda.gpu_inventory)
             except Exception as e:
                 self.log.info("no NVML on this host (%s): GPU memory left out of estimates", e)
-        self._clear_staging()
+        clear_staging(self.restore_staging_dir, self.log)
         await self.recover()
-
-    def _clear_staging(self, older_than: float = 3600.0) -> None:
-        """Remove unpacked images a crashed restore left in restore_staging_dir (they hold
-        users' memory); only those untouched for ``older_than`` s (a restore may be running)."""
-        staging = Path(self.restore_staging_dir) if self.restore_staging_dir else None
-        if staging is None or not staging.is_dir():
-            return
-        now = time.time()
-        for left in staging.glob(STAGING_PREFIX + "*"):
-            with contextlib.suppress(OSError):
-                if now - left.stat().st_mtime > older_than:
-                    shutil.rmtree(left)
-                    self.log.warning("removed %s, left by an interrupted restore", left)
 
     async def check(self, server: Server) -> None:
         """Refuse (:class:`CheckpointRefused`) when ``server`` cannot be checkpointed now."""
@@ -1037,32 +1031,6 @@ class LocalBackend(CheckpointBackend):
             f"{key}: checkpoint failed ({type(error).__name__}: {why}); the server keeps running"
         )
 
-    async def _write_page_sums(self, folder: Path, m: Manifest, key: str) -> bool:
-        """Write the page checksums a lazy restore of a verified ``files`` checkpoint needs
-        (docs/lazy-restore.md), bound to the manifest's checksums. A failure is logged and
-        counted; the checkpoint stays restorable eagerly. True when all were written."""
-        cid = self._id(folder)
-        pages = [n for n in m.files if is_pages_file(n)]
-        t = time.monotonic()
-        try:
-            problems = await asyncio.to_thread(
-                write_sums, folder, pages, self.pool, expected=m.files, chunk_bytes=m.chunk_bytes
-            )
-        except Exception as e:
-            problems = [f"{type(e).__name__}: {e}"]
-        finally:
-            self.page_sums.pop(cid, None)
-        if problems:
-            lazy.PAGE_SUMS_FAILED.inc()
-            self.log.error(
-                "%s: no page checksums for checkpoint %s (%s); it will be restored eagerly",
-                key, cid, "; ".join(problems[:5]),
-            )  # fmt: skip
-            return False
-        self.log.info("%s: page checksums of checkpoint %s written in %.2fs", key, cid,
-                      time.monotonic() - t)  # fmt: skip
-        return True
-
     async def _verify_dump(self, folder: Path, m: Manifest, follower: Follower | None = None) -> None:
         """Make a finished dump "verified" (see the module docstring) or raise CheckpointError:
         complete (CRIU's files and its success line), then sealed by the image store.
@@ -1075,9 +1043,6 @@ class LocalBackend(CheckpointBackend):
             raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
         await self.image_store(self.storage).seal(folder, m, follower)
         m.seal_seconds = round(time.monotonic() - t, 3)
-
-    def _restore_store(self, m: Manifest, key: str, cid: str) -> ChunkStore:
-        return self.image_store("chunks").store_for(m, key, cid)
 
     def _seal_token(self, token: str) -> str:
         """The server's API token as the manifest keeps it: sealed when encrypting at rest."""
@@ -1430,64 +1395,6 @@ class LocalBackend(CheckpointBackend):
                 )
             await asyncio.sleep(0.1)
 
-    def _staging(self, folder: Path, nbytes: int, key: str) -> Path:
-        """Where a chunk image is unpacked for CRIU: a new root-only folder in
-        ``restore_staging_dir`` when it has room, else the checkpoint folder itself."""
-        margin = 256 << 20
-        staging = self.restore_staging_dir
-        if staging and os.path.isdir(staging):
-            try:
-                if shutil.disk_usage(staging).free >= nbytes + margin:
-                    return Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=staging))
-            except OSError as e:
-                self.log.warning("%s: cannot use %s for the restore (%s)", key, staging, e)
-        free = shutil.disk_usage(folder).free
-        if free < nbytes:
-            raise CheckpointError(
-                f"{key}: {free / 2**30:.1f} GiB free in {folder}, the image needs "
-                f"{nbytes / 2**30:.1f} GiB unpacked: free disk space (or memory in "
-                f"LocalBackend.restore_staging_dir = {staging!r}) and spawn again"
-            )
-        return folder
-
-    def _stream_dir(self) -> Path:
-        """A new root-only folder for CRIU's streamer socket and log: in restore_staging_dir,
-        else /tmp (a socket's path must stay under 108 bytes)."""
-        room = 107 - len(f"/{STAGING_PREFIX}12345678/{STREAMER_SOCKET}")
-        for where in (self.restore_staging_dir, tempfile.gettempdir()):
-            if where and os.path.isdir(where) and len(os.path.abspath(where)) <= room:
-                try:
-                    return Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=where))
-                except OSError as e:
-                    self.log.warning("cannot use %s for a restore's streamer socket (%s)", where, e)
-        raise CheckpointError(
-            "no folder for CRIU's streamer socket: set LocalBackend.restore_staging_dir to a short, "
-            "writable path (e.g. /dev/shm) or LocalBackend.restore_streaming = False"
-        )
-
-    def _note_small_pipe(self, streamer: ChunkStreamer) -> None:
-        """Once per process: streamed restores get a smaller pipe than asked for."""
-        if 0 < streamer.pipe_got < streamer.pipe_bytes and not self._pipe_noted:
-            self._pipe_noted = True
-            self.log.info(
-                "Streamed restores get a %d KiB pipe, not the %d KiB of "
-                "LocalBackend.restore_pipe_bytes: this process may not exceed "
-                "/proc/sys/fs/pipe-max-size. Raise it on this machine (sysctl -w "
-                "fs.pipe-max-size=%d) for faster streamed restores, or set restore_pipe_bytes to %d.",
-                streamer.pipe_got >> 10, streamer.pipe_bytes >> 10, streamer.pipe_bytes,
-                streamer.pipe_got,
-            )  # fmt: skip
-
-    def _unstage(self, folder: Path, images: Path) -> None:
-        """Remove unpacked image files; keep CRIU's restore log in the checkpoint folder."""
-        if images == folder:
-            _drop_image_files(folder)
-            return
-        for log in images.glob("restore-*.log"):
-            with contextlib.suppress(OSError):
-                shutil.copyfile(log, folder / log.name)
-        shutil.rmtree(images, ignore_errors=True)
-
     async def _restore_tree(self, job: RestoreJob, source: ImageSource) -> tuple[int, str, int]:
         """criu restore (from ``source.images``; through its streamer's socket when it has
         one) + GPU restore of a checked image (the second half of :meth:`restore`)."""
@@ -1551,7 +1458,7 @@ class LocalBackend(CheckpointBackend):
             phases["pipe_bytes"] = streamer.pipe_got
             phases["stream_waited_storage_s"] = round(streamer.waited["storage_s"], 3)
             phases["stream_waited_criu_s"] = round(streamer.waited["criu_s"], 3)
-            self._note_small_pipe(streamer)
+            self.image_store("chunks").note_small_pipe(streamer)
         phases["checks_after_criu_s"] = round(time.monotonic() - t - phases["criu_s"], 3)
         if gpu is not None:
             try:
@@ -1577,173 +1484,6 @@ class LocalBackend(CheckpointBackend):
             m.port,
         )
         return restored.pid, m.ip, m.port
-
-    def _lazy_image(self, folder: Path, m: Manifest, key: str, cid: str):
-        """(what a lazy restore of ``m`` reads, '') or (None, why it must be eager)."""
-        if m.storage == "chunks":
-            store = self._restore_store(m, key, cid)
-            return lazy.ChunksImage(store, m.key_id, m.chunks, m.sizes), ""
-        missing = [
-            n for n in sorted(m.files) if is_pages_file(n) and not (folder / sums_name(n)).is_file()
-        ]  # fmt: skip
-        if missing:
-            return None, (f"no page checksums for {', '.join(missing[:3])} (written in the "
-                          "background after a suspension with restore_mode = 'lazy')")  # fmt: skip
-        return lazy.FilesImage(folder, m.files, m.sizes, m.chunk_bytes), ""
-
-    async def _restore_lazily(
-        self, info, folder: Path, m: Manifest, key: str, restore_started: float, timeout: float
-    ) -> tuple[int, str, int] | None:
-        """restore_mode = 'lazy': run the tree now, its memory following (lazy.py); None when
-        it must be restored eagerly instead (logged; nothing was started)."""
-        image, why = self._lazy_image(folder, m, key, info.id)
-        images = None
-        if image is not None:
-            try:
-                images = self._stream_dir()
-            except CheckpointError as e:
-                why = str(e)
-        if images is None:
-            lazy.LAZY_RESTORES.labels(result="eager").inc()
-            self.log.warning("%s: restoring checkpoint %s eagerly: %s", key, info.id, why)
-            return None
-        phases = {"mode": "lazy", "prepare_s": round(time.time() - restore_started, 3)}
-        m.extra["restore_started"] = boot_clock()  # what _adopt recognises this restore by
-        m.save(folder)
-        t = time.monotonic()
-        try:
-            lr = await lazy.restore(
-                image, images, folder / "restore.pid", pool=self.pool, criu_path=self.criu_path,
-                tcp=m.tcp_mode, shell_job=m.shell_job,
-                extra=[*sandbox.restore_args(bool(m.extra.get("mount_namespace"))),
-                       *self.restore_extra_args],
-                timeout=timeout,
-            )  # fmt: skip
-        except CheckpointError as e:
-            # nothing runs: the eager restore checks the whole image and decides, as always
-            self._unstage(folder, images)
-            lazy.LAZY_RESTORES.labels(result="eager").inc()
-            self.log.warning(
-                "%s: checkpoint %s cannot be restored lazily, restoring it eagerly: %s",
-                key, info.id, e,
-            )  # fmt: skip
-            return None
-        except BaseException:
-            self._unstage(folder, images)
-            raise
-        restored = lr.restored
-        phases["criu_s"] = round(time.monotonic() - t, 3)
-        phases.update(lazy_staged_s=lr.stats["staged_s"], lazy_running_s=lr.stats["running_s"],
-                      lazy_bytes=lr.lazy_bytes)  # fmt: skip
-        self.restored[restored.pid] = restored
-        for p, r in list(self.restored.items()):
-            if r.reap() is not None:
-                self.restored.pop(p, None)
-        # GPU memory comes back behind the first answer (docs/lazy-restore.md, "GPU"): the
-        # processes stay in the driver's checkpointed state, where a CUDA call waits, until
-        # _finish_lazy has restored and unlocked them; a cell that needs no GPU runs at once.
-        gpu_pids = tree_pids(restored.pid) if m.cuda_pids and self.cuda() is not None else []
-        try:
-            m.status = "restored"
-            m.restored_at = time.time()
-            m.extra["restored_pid"] = restored.pid
-            m.extra["restore_s"] = round(m.restored_at - restore_started, 3)
-            m.extra["restore_phases"] = phases
-            m.extra["lazy_pending"] = True  # until every page is in (recover() reads it)
-            if gpu_pids:
-                m.extra["gpu_pending"] = True  # until the GPU memory is back
-            m.save(folder)
-        except BaseException:
-            await lr.abort()
-            self.restored.pop(restored.pid, None)
-            await self._unstage_lazy(folder, images)
-            raise
-        task = asyncio.ensure_future(
-            self._finish_lazy(info.id, folder, key, lr, images, gpu_pids, restore_started)
-        )
-        self.lazy_restores[info.id] = task
-        self.log.info(
-            "%s: checkpoint %s restored lazily as pid %s on %s:%s (running after %.2fs, "
-            "%.1f MiB of memory to follow%s)",
-            key, info.id, restored.pid, m.ip, m.port, lr.stats["running_s"], lr.lazy_bytes / 2**20,
-            f", GPU memory of pids {gpu_pids} restoring behind it" if gpu_pids else "",
-        )  # fmt: skip
-        return restored.pid, m.ip, m.port
-
-    async def _unstage_lazy(self, folder: Path, images: Path) -> None:
-        with contextlib.suppress(OSError):
-            shutil.copyfile(images / lazy.LAZY_LOG, folder / lazy.LAZY_LOG)
-        await asyncio.to_thread(self._unstage, folder, images)
-
-    async def _finish_lazy(
-        self, cid: str, folder: Path, key: str, lr, images: Path,
-        gpu_pids: list[int] | None = None, restore_started: float | None = None,
-    ) -> None:  # fmt: skip
-        """Wait for a lazy restore's last page, then, for a GPU server, restore its GPU
-        memory (the driver reads it from host memory that is all in by then: no page fault
-        in its way, docs/lazy-restore.md "GPU"); record the figures. If either fails the
-        tree is killed (it must not run on memory that is not its own, or on without its
-        GPU memory) and the snapshot is marked failed with the reason, logged and counted."""
-        gpu_done_s = None
-        try:
-            try:
-                stats = await lr.done
-                if gpu_pids:
-                    try:
-                        gpu_done_s = await self._restore_gpu_behind(key, cid, gpu_pids)
-                    except CheckpointError:
-                        await self.kill_tree(tree_pids(lr.pid))
-                        raise
-            finally:
-                self.lazy_restores.pop(cid, None)
-                await self._unstage_lazy(folder, images)
-        except CheckpointError as e:
-            lazy.LAZY_RESTORES.labels(result="failed").inc()
-            self.restored.pop(lr.pid, None)
-            why = f"lazy restore failed after the server ran: {e}"
-            self.log.error("%s: checkpoint %s: %s", key, cid, why)
-            try:
-                await self.mark(cid, "failed", why)
-            except Exception as e2:
-                self.log.error("%s: cannot mark checkpoint %s failed: %s", key, cid, e2)
-            return
-        except Exception as e:  # not expected: say so, the tree's fate is lazy.py's
-            self.log.error("%s: lazy restore of checkpoint %s ended with %r", key, cid, e)
-            return
-        lazy.LAZY_RESTORES.labels(result="ok").inc()
-        try:
-            m = Manifest.load(folder)
-            phases = m.extra.get("restore_phases") or {}
-            phases.update(lazy_all_in_s=stats.get("all_in_s"), lazy_served_bytes=stats.get("served_bytes"),
-                          lazy_requests=stats.get("requests"), lazy_fault_requests=stats.get("fault_requests"))  # fmt: skip
-            if gpu_done_s is not None:
-                phases["gpu_behind_s"] = gpu_done_s
-            if restore_started is not None:
-                phases["full_restore_s"] = round(time.time() - restore_started, 3)
-            m.extra["restore_phases"] = phases
-            m.extra.pop("lazy_pending", None)
-            m.extra.pop("gpu_pending", None)
-            m.save(folder)
-        except (OSError, ValueError) as e:
-            self.log.warning("%s: cannot record the lazy restore of %s: %s", key, cid, e)
-        self.log.info(
-            "%s: checkpoint %s: every page back after %.2fs (%.1f MiB served, %d requests)%s",
-            key, cid, stats.get("all_in_s", 0), stats.get("served_bytes", 0) / 2**20,
-            stats.get("requests", 0),
-            f", GPU memory back after {gpu_done_s:.2f}s" if gpu_done_s is not None else "",
-        )  # fmt: skip
-
-    async def _restore_gpu_behind(self, key: str, cid: str, pids: list[int]) -> float:
-        """Restore and unlock the GPU memory of a lazily restored tree while it runs; the
-        seconds it took. Raises CheckpointError naming what failed."""
-        t = time.monotonic()
-        try:
-            await self.cuda().resume(pids)
-        except Exception as e:
-            raise CheckpointError(f"restoring GPU memory of pids {pids} failed: {e}") from e
-        took = round(time.monotonic() - t, 3)
-        self.log.info("%s: checkpoint %s: GPU memory back after %.2fs", key, cid, took)
-        return took
 
     async def _end_restored(self, restored: criu.Restored) -> None:
         """Kill a restored tree that must not be handed out, and let its criu exit."""
@@ -1797,53 +1537,6 @@ class LocalBackend(CheckpointBackend):
         """CRIU said it finished, and the tree is still frozen (or gone)."""
         return _dump_finished(s.folder) and (s.frozen or not s.root_alive)
 
-    async def _recover_gpu_behind(self, folder: Path, m: Manifest) -> None:
-        """A lazy restore whose pages all came but whose GPU memory the restoring process
-        (the Hub) did not bring back before it stopped: the server runs, locked out of its
-        GPU (a CUDA call waits). Its GPU memory is restored here; if that fails the server
-        is stopped and its snapshot marked failed (kept for rescue). Left alone while the
-        restore may still be under way (GPU_BEHIND_GRACE after it was handed out)."""
-        cid = self._id(folder)
-        key = server_key(m.user, m.server)
-        pid = m.extra.get("restored_pid")
-        if cid in self.lazy_restores or time.time() - (m.restored_at or 0) < GPU_BEHIND_GRACE:
-            return
-        if self.cuda() is None or not pid or not is_alive(pid):
-            m.extra.pop("gpu_pending", None)  # nothing left to bring back to
-            m.save(folder)
-            return
-        try:
-            await self._restore_gpu_behind(key, cid, tree_pids(pid))
-        except CheckpointError as e:
-            await self.kill_tree(tree_pids(pid))
-            m.status, m.error = "failed", f"lazy restore failed after the server ran: {e}"
-            m.extra["failed_at"] = time.time()
-            lazy.LAZY_RESTORES.labels(result="failed").inc()
-            self.log.error("%s: checkpoint %s: %s", key, cid, m.error)
-        m.extra.pop("gpu_pending", None)
-        m.save(folder)
-
-    def _recover_lazy(self, folder: Path, m: Manifest) -> None:
-        """A lazy restore whose last page never came and whose server is gone: the process
-        that served its memory (the Hub) stopped mid-transfer, and the guard killed the
-        tree. Its snapshot is the only copy of that work: marked failed (kept
-        max_age_days for rescue, docs/operations.md), not left 'restored'."""
-        cid = self._id(folder)
-        pid = m.extra.get("restored_pid")
-        if cid in self.lazy_restores or (pid and is_alive(pid)):
-            return  # under way (here, or in the Hub)
-        m.status = "failed"
-        m.error = ("lazy restore failed: the process serving its memory (the Hub) stopped before "
-                   "every page was in, and the restored server was stopped with it")  # fmt: skip
-        m.extra["failed_at"] = time.time()
-        m.save(folder)
-        self.log.error("%s: checkpoint %s: %s", server_key(m.user, m.server), cid, m.error)
-
-
-# A lazily restored server's GPU memory comes back within seconds of its hand-out (about
-# 2 s per 8 GiB on an H100, plus its pages); one still pending this long after was left
-# behind by a restoring process that stopped, and recover() brings it back.
-GPU_BEHIND_GRACE = 600.0
 
 # Less free space than this after a failed dump counts as a full disk (CRIU stops at
 # its first failed write, a few MiB of pages at most short of the end).

@@ -1,0 +1,271 @@
+"""Lazy restore for :class:`~.local.LocalBackend` (``restore_mode = "lazy"``,
+docs/lazy-restore.md): the restored tree runs before its memory is back, each page checked
+as it arrives (:mod:`.lazy`); its GPU memory comes back behind the first answer.
+
+Here: the page checksums a lazy restore of a ``files`` checkpoint needs (written in the
+background after the suspension), the restore itself, its end (every page in, or a damaged
+page that kills the tree and fails the snapshot), and what :meth:`recover` resolves of a
+lazy restore the Hub stopped during.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import time
+from pathlib import Path
+
+from .. import sandbox
+from ..model import server_key
+from ..procs import boot_clock, tree_pids
+from . import lazy, local
+from .base import CheckpointError
+from .image_store import stream_dir, unstage
+from .manifest import Manifest, is_pages_file
+from .page_sums import sums_name, write_sums
+
+# A lazily restored server's GPU memory comes back within seconds of its hand-out (about
+# 2 s per 8 GiB on an H100, plus its pages); one still pending this long after was left
+# behind by a restoring process that stopped, and recover() brings it back.
+GPU_BEHIND_GRACE = 600.0
+
+
+class LazyRestoreMixin:
+    """The lazy restore of :class:`~.local.LocalBackend` (its traits and state: ``pool``,
+    ``criu_path``, ``restored``, ``page_sums``, ``lazy_restores``)."""
+
+    async def _write_page_sums(self, folder: Path, m: Manifest, key: str) -> bool:
+        """Write the page checksums a lazy restore of a verified ``files`` checkpoint needs
+        (docs/lazy-restore.md), bound to the manifest's checksums. A failure is logged and
+        counted; the checkpoint stays restorable eagerly. True when all were written."""
+        cid = self._id(folder)
+        pages = [n for n in m.files if is_pages_file(n)]
+        t = time.monotonic()
+        try:
+            problems = await asyncio.to_thread(
+                write_sums, folder, pages, self.pool, expected=m.files, chunk_bytes=m.chunk_bytes
+            )
+        except Exception as e:
+            problems = [f"{type(e).__name__}: {e}"]
+        finally:
+            self.page_sums.pop(cid, None)
+        if problems:
+            lazy.PAGE_SUMS_FAILED.inc()
+            self.log.error(
+                "%s: no page checksums for checkpoint %s (%s); it will be restored eagerly",
+                key, cid, "; ".join(problems[:5]),
+            )  # fmt: skip
+            return False
+        self.log.info("%s: page checksums of checkpoint %s written in %.2fs", key, cid,
+                      time.monotonic() - t)  # fmt: skip
+        return True
+
+    def _lazy_image(self, folder: Path, m: Manifest, key: str, cid: str):
+        """(what a lazy restore of ``m`` reads, '') or (None, why it must be eager)."""
+        if m.storage == "chunks":
+            store = self.image_store("chunks").store_for(m, key, cid)
+            return lazy.ChunksImage(store, m.key_id, m.chunks, m.sizes), ""
+        missing = [
+            n for n in sorted(m.files) if is_pages_file(n) and not (folder / sums_name(n)).is_file()
+        ]  # fmt: skip
+        if missing:
+            return None, (f"no page checksums for {', '.join(missing[:3])} (written in the "
+                          "background after a suspension with restore_mode = 'lazy')")  # fmt: skip
+        return lazy.FilesImage(folder, m.files, m.sizes, m.chunk_bytes), ""
+
+    async def _restore_lazily(
+        self, info, folder: Path, m: Manifest, key: str, restore_started: float, timeout: float
+    ) -> tuple[int, str, int] | None:
+        """restore_mode = 'lazy': run the tree now, its memory following (lazy.py); None when
+        it must be restored eagerly instead (logged; nothing was started)."""
+        image, why = self._lazy_image(folder, m, key, info.id)
+        images = None
+        if image is not None:
+            try:
+                images = stream_dir(self.restore_staging_dir, self.log)
+            except CheckpointError as e:
+                why = str(e)
+        if images is None:
+            lazy.LAZY_RESTORES.labels(result="eager").inc()
+            self.log.warning("%s: restoring checkpoint %s eagerly: %s", key, info.id, why)
+            return None
+        phases = {"mode": "lazy", "prepare_s": round(time.time() - restore_started, 3)}
+        m.extra["restore_started"] = boot_clock()  # what _adopt recognises this restore by
+        m.save(folder)
+        t = time.monotonic()
+        try:
+            lr = await lazy.restore(
+                image, images, folder / "restore.pid", pool=self.pool, criu_path=self.criu_path,
+                tcp=m.tcp_mode, shell_job=m.shell_job,
+                extra=[*sandbox.restore_args(bool(m.extra.get("mount_namespace"))),
+                       *self.restore_extra_args],
+                timeout=timeout,
+            )  # fmt: skip
+        except CheckpointError as e:
+            # nothing runs: the eager restore checks the whole image and decides, as always
+            unstage(folder, images)
+            lazy.LAZY_RESTORES.labels(result="eager").inc()
+            self.log.warning(
+                "%s: checkpoint %s cannot be restored lazily, restoring it eagerly: %s",
+                key, info.id, e,
+            )  # fmt: skip
+            return None
+        except BaseException:
+            unstage(folder, images)
+            raise
+        restored = lr.restored
+        phases["criu_s"] = round(time.monotonic() - t, 3)
+        phases.update(lazy_staged_s=lr.stats["staged_s"], lazy_running_s=lr.stats["running_s"],
+                      lazy_bytes=lr.lazy_bytes)  # fmt: skip
+        self.restored[restored.pid] = restored
+        for p, r in list(self.restored.items()):
+            if r.reap() is not None:
+                self.restored.pop(p, None)
+        # GPU memory comes back behind the first answer (docs/lazy-restore.md, "GPU"): the
+        # processes stay in the driver's checkpointed state, where a CUDA call waits, until
+        # _finish_lazy has restored and unlocked them; a cell that needs no GPU runs at once.
+        gpu_pids = tree_pids(restored.pid) if m.cuda_pids and self.cuda() is not None else []
+        try:
+            m.status = "restored"
+            m.restored_at = time.time()
+            m.extra["restored_pid"] = restored.pid
+            m.extra["restore_s"] = round(m.restored_at - restore_started, 3)
+            m.extra["restore_phases"] = phases
+            m.extra["lazy_pending"] = True  # until every page is in (recover() reads it)
+            if gpu_pids:
+                m.extra["gpu_pending"] = True  # until the GPU memory is back
+            m.save(folder)
+        except BaseException:
+            await lr.abort()
+            self.restored.pop(restored.pid, None)
+            await self._unstage_lazy(folder, images)
+            raise
+        task = asyncio.ensure_future(
+            self._finish_lazy(info.id, folder, key, lr, images, gpu_pids, restore_started)
+        )
+        self.lazy_restores[info.id] = task
+        self.log.info(
+            "%s: checkpoint %s restored lazily as pid %s on %s:%s (running after %.2fs, "
+            "%.1f MiB of memory to follow%s)",
+            key, info.id, restored.pid, m.ip, m.port, lr.stats["running_s"], lr.lazy_bytes / 2**20,
+            f", GPU memory of pids {gpu_pids} restoring behind it" if gpu_pids else "",
+        )  # fmt: skip
+        return restored.pid, m.ip, m.port
+
+    async def _unstage_lazy(self, folder: Path, images: Path) -> None:
+        with contextlib.suppress(OSError):
+            shutil.copyfile(images / lazy.LAZY_LOG, folder / lazy.LAZY_LOG)
+        await asyncio.to_thread(unstage, folder, images)
+
+    async def _finish_lazy(
+        self, cid: str, folder: Path, key: str, lr, images: Path,
+        gpu_pids: list[int] | None = None, restore_started: float | None = None,
+    ) -> None:  # fmt: skip
+        """Wait for a lazy restore's last page, then, for a GPU server, restore its GPU
+        memory (the driver reads it from host memory that is all in by then: no page fault
+        in its way, docs/lazy-restore.md "GPU"); record the figures. If either fails the
+        tree is killed (it must not run on memory that is not its own, or on without its
+        GPU memory) and the snapshot is marked failed with the reason, logged and counted."""
+        gpu_done_s = None
+        try:
+            try:
+                stats = await lr.done
+                if gpu_pids:
+                    try:
+                        gpu_done_s = await self._restore_gpu_behind(key, cid, gpu_pids)
+                    except CheckpointError:
+                        await self.kill_tree(tree_pids(lr.pid))
+                        raise
+            finally:
+                self.lazy_restores.pop(cid, None)
+                await self._unstage_lazy(folder, images)
+        except CheckpointError as e:
+            lazy.LAZY_RESTORES.labels(result="failed").inc()
+            self.restored.pop(lr.pid, None)
+            why = f"lazy restore failed after the server ran: {e}"
+            self.log.error("%s: checkpoint %s: %s", key, cid, why)
+            try:
+                await self.mark(cid, "failed", why)
+            except Exception as e2:
+                self.log.error("%s: cannot mark checkpoint %s failed: %s", key, cid, e2)
+            return
+        except Exception as e:  # not expected: say so, the tree's fate is lazy.py's
+            self.log.error("%s: lazy restore of checkpoint %s ended with %r", key, cid, e)
+            return
+        lazy.LAZY_RESTORES.labels(result="ok").inc()
+        try:
+            m = Manifest.load(folder)
+            phases = m.extra.get("restore_phases") or {}
+            phases.update(lazy_all_in_s=stats.get("all_in_s"), lazy_served_bytes=stats.get("served_bytes"),
+                          lazy_requests=stats.get("requests"), lazy_fault_requests=stats.get("fault_requests"))  # fmt: skip
+            if gpu_done_s is not None:
+                phases["gpu_behind_s"] = gpu_done_s
+            if restore_started is not None:
+                phases["full_restore_s"] = round(time.time() - restore_started, 3)
+            m.extra["restore_phases"] = phases
+            m.extra.pop("lazy_pending", None)
+            m.extra.pop("gpu_pending", None)
+            m.save(folder)
+        except (OSError, ValueError) as e:
+            self.log.warning("%s: cannot record the lazy restore of %s: %s", key, cid, e)
+        self.log.info(
+            "%s: checkpoint %s: every page back after %.2fs (%.1f MiB served, %d requests)%s",
+            key, cid, stats.get("all_in_s", 0), stats.get("served_bytes", 0) / 2**20,
+            stats.get("requests", 0),
+            f", GPU memory back after {gpu_done_s:.2f}s" if gpu_done_s is not None else "",
+        )  # fmt: skip
+
+    async def _restore_gpu_behind(self, key: str, cid: str, pids: list[int]) -> float:
+        """Restore and unlock the GPU memory of a lazily restored tree while it runs; the
+        seconds it took. Raises CheckpointError naming what failed."""
+        t = time.monotonic()
+        try:
+            await self.cuda().resume(pids)
+        except Exception as e:
+            raise CheckpointError(f"restoring GPU memory of pids {pids} failed: {e}") from e
+        took = round(time.monotonic() - t, 3)
+        self.log.info("%s: checkpoint %s: GPU memory back after %.2fs", key, cid, took)
+        return took
+
+    async def _recover_gpu_behind(self, folder: Path, m: Manifest) -> None:
+        """A lazy restore whose pages all came but whose GPU memory the restoring process
+        (the Hub) did not bring back before it stopped: the server runs, locked out of its
+        GPU (a CUDA call waits). Its GPU memory is restored here; if that fails the server
+        is stopped and its snapshot marked failed (kept for rescue). Left alone while the
+        restore may still be under way (GPU_BEHIND_GRACE after it was handed out)."""
+        cid = self._id(folder)
+        key = server_key(m.user, m.server)
+        pid = m.extra.get("restored_pid")
+        if cid in self.lazy_restores or time.time() - (m.restored_at or 0) < GPU_BEHIND_GRACE:
+            return
+        if self.cuda() is None or not pid or not local.is_alive(pid):
+            m.extra.pop("gpu_pending", None)  # nothing left to bring back to
+            m.save(folder)
+            return
+        try:
+            await self._restore_gpu_behind(key, cid, tree_pids(pid))
+        except CheckpointError as e:
+            await self.kill_tree(tree_pids(pid))
+            m.status, m.error = "failed", f"lazy restore failed after the server ran: {e}"
+            m.extra["failed_at"] = time.time()
+            lazy.LAZY_RESTORES.labels(result="failed").inc()
+            self.log.error("%s: checkpoint %s: %s", key, cid, m.error)
+        m.extra.pop("gpu_pending", None)
+        m.save(folder)
+
+    def _recover_lazy(self, folder: Path, m: Manifest) -> None:
+        """A lazy restore whose last page never came and whose server is gone: the process
+        that served its memory (the Hub) stopped mid-transfer, and the guard killed the
+        tree. Its snapshot is the only copy of that work: marked failed (kept
+        max_age_days for rescue, docs/operations.md), not left 'restored'."""
+        cid = self._id(folder)
+        pid = m.extra.get("restored_pid")
+        if cid in self.lazy_restores or (pid and local.is_alive(pid)):
+            return  # under way (here, or in the Hub)
+        m.status = "failed"
+        m.error = ("lazy restore failed: the process serving its memory (the Hub) stopped before "
+                   "every page was in, and the restored server was stopped with it")  # fmt: skip
+        m.extra["failed_at"] = time.time()
+        m.save(folder)
+        self.log.error("%s: checkpoint %s: %s", server_key(m.user, m.server), cid, m.error)
