@@ -86,8 +86,8 @@ from .image_store import (
     ImageStore,
     RestoreJob,
     clear_staging,
+    drop_image_files,
 )
-from .image_store import drop_image_files as _drop_image_files
 from .keys import Key, KeyFileError, load_keys
 from .local_lazy import LazyRestoreMixin
 from .manifest import (
@@ -1008,7 +1008,7 @@ class LocalBackend(LazyRestoreMixin, CheckpointBackend):
             return
         m.status, m.error = "failed", why + " and the process is gone"
         if m.storage == "chunks":
-            _drop_image_files(folder)
+            drop_image_files(folder)
         m.save(folder)
         self.log.error("%s: checkpoint %s failed at recovery: %s", key, s.id, m.error)
 
@@ -1077,7 +1077,7 @@ class LocalBackend(LazyRestoreMixin, CheckpointBackend):
         if m.storage == "chunks" and not full:
             # CRIU's raw files of a chunk checkpoint are the server's memory unencrypted and
             # of no use once it failed (the server runs on): never left on the disk
-            freed = await asyncio.to_thread(_drop_image_files, folder)
+            freed = await asyncio.to_thread(drop_image_files, folder)
             if freed:
                 why += f"; its raw image files ({freed / 2**20:.1f} MiB of the server's memory) were deleted"
         while True:
@@ -1086,7 +1086,7 @@ class LocalBackend(LazyRestoreMixin, CheckpointBackend):
                 # other suspension from fitting: give the space back, keep logs and manifest.
                 # (CRIU's log is on the same disk, so it may be cut short before it says
                 # why; the disk is asked too, and a record that does not fit says so.)
-                freed = await asyncio.to_thread(_drop_image_files, folder)
+                freed = await asyncio.to_thread(drop_image_files, folder)
                 why += (
                     f"; the disk holding {self.root} is full (No space left on device): the "
                     f"partial image ({freed / 2**20:.1f} MiB) was deleted. Free space there, "
@@ -1509,7 +1509,7 @@ class LocalBackend(LazyRestoreMixin, CheckpointBackend):
             ):
                 # raw files a crash left after packing, or of a failed checkpoint on a host
                 # that encrypts at rest (older versions recorded "files" until packed)
-                _drop_image_files(folder)
+                drop_image_files(folder)
             if m.status == "restored" and m.extra.get("lazy_pending"):
                 self._recover_lazy(folder, m)
             elif m.status == "restored" and m.extra.get("gpu_pending"):
