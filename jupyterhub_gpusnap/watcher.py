@@ -509,7 +509,7 @@ class Watcher(LoggingConfigurable):
             self.execute(status, "suspend_started", reason)
             t0 = time.perf_counter()
             try:
-                await self.backend.check(server)
+                # checkpoint() runs the preflight itself (refusing as check() would)
                 info = await asyncio.wait_for(self.backend.checkpoint(server), self.suspend_timeout)
             except CheckpointRefused as e:
                 result = "refused"
