@@ -255,7 +255,7 @@ class SnapSpawnerMixin(RestoreMixin):
         info = await self.backend.latest(self.user.name, self.name)
         if info is None:
             if self.gpusnap_state:
-                self._snapshot_gone()
+                self._checkpoint_gone()
             self.gpusnap_state = {}
             return None
         if self.gpusnap_state.get("id") != info.id:
@@ -267,7 +267,7 @@ class SnapSpawnerMixin(RestoreMixin):
             return None
         return info.as_dict()
 
-    def _snapshot_gone(self) -> None:
+    def _checkpoint_gone(self) -> None:
         """The checkpoint this server's stop recorded can no longer be read (its manifest was
         deleted, or its folder): say so, and leave whatever is left of it for the admin."""
         cid = self.gpusnap_state.get("id", "")

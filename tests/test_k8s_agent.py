@@ -855,8 +855,8 @@ async def test_agent_restarted_after_dying_mid_checkpoint_gives_the_gpu_memory_b
         )
         archive.write_bytes(b"half an archive")
 
-        await agent.stop_server()
-        await agent.start_server()  # the agent's pod restarted
+        await agent.stop_http()
+        await agent.start_http()  # the agent's pod restarted
 
         assert libcuda.states[work.pid] == RUNNING and work.alive()
         assert not archive.exists()

@@ -380,7 +380,7 @@ class AgentApp(Application):
             1000 * handler.request.request_time(),
         )
 
-    async def start_server(self) -> HTTPServer:
+    async def start_http(self) -> HTTPServer:
         """Listen on ip:port; returns the server (tests use port 0 and read the bound port)."""
         if self.auth == "token" and not self.shared_secret():
             raise AgentError(
@@ -453,7 +453,7 @@ class AgentApp(Application):
             except Exception:
                 self.log.exception("sweeping kept checkpoint archives failed; trying again later")
 
-    async def stop_server(self) -> None:
+    async def stop_http(self) -> None:
         self._restored = [r for r in self._restored if r.reap() is None]
         if self._sweeper is not None:
             self._sweeper.cancel()
@@ -464,7 +464,7 @@ class AgentApp(Application):
 
     def start(self) -> None:
         async def run():
-            await self.start_server()
+            await self.start_http()
             await asyncio.Event().wait()
 
         asyncio.run(run())

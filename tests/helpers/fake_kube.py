@@ -1278,7 +1278,7 @@ class Cluster:
         self.agent = AgentApp(
             config=self._config_for(NODE, "127.0.0.1", 0, self.tree, self.root / "restore")
         )
-        await self.agent.start_server()
+        await self.agent.start_http()
         self.agents = {NODE: self.agent}
         self.trees = {NODE: self.tree}
         # RBAC as the agent's ClusterRole grants it: what the agent uses (SSARs say allowed)
@@ -1336,7 +1336,7 @@ class Cluster:
         agent = AgentApp(
             config=self._config_for(node, ip, self.agent.port, tree, self.root / f"restore-{node}")
         )
-        await agent.start_server()
+        await agent.start_http()
         self.agents[node], self.trees[node] = agent, tree
         self.kube.add_pod(
             "gpusnap",
@@ -1432,7 +1432,7 @@ class Cluster:
 
     async def stop(self) -> None:
         for agent in self.agents.values():
-            await agent.stop_server()
+            await agent.stop_http()
         await self.kube.stop()
 
 
