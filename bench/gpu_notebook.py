@@ -484,7 +484,7 @@ def kill_same(pid: int, started: float | None) -> None:
 
 
 async def wait_gone(pids: list[int], timeout: float) -> bool:
-    from jupyterhub_gpusnap.checkpoint.local import is_alive
+    from jupyterhub_gpusnap.procs import is_alive
 
     deadline = time.monotonic() + timeout
     while any(is_alive(p) for p in pids):
@@ -886,7 +886,7 @@ async def bare_run(root: Path, criu: str, cuda, gpu: Gpu, pw: pwd.struct_passwd,
             raise BenchError(f"{tag}: the dumped tree {tree} is still there 60 s after SIGKILL")
         # a process with tens of GiB closes its sockets only after its memory is freed: CRIU
         # cannot restore the listener before the port is free (the product waits the same way)
-        from jupyterhub_gpusnap.checkpoint.local import port_holder
+        from jupyterhub_gpusnap.procs import port_holder
 
         while port_holder("127.0.0.1", server.port):
             if time.monotonic() - c > 60:

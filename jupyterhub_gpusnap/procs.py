@@ -1,8 +1,11 @@
-"""A server's process tree: the one helper every part that looks at processes shares."""
+"""A server's processes: its tree, whether one runs or is frozen, what it listens on — the
+helpers every part that looks at processes shares."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import time
 
 import psutil
@@ -51,3 +54,62 @@ def _boot_id() -> str:
             return f.read().strip()
     except OSError:
         return ""
+
+
+def is_alive(pid: int) -> bool:
+    """True if ``pid`` runs (or is stopped); a zombie counts as dead."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def is_frozen(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except psutil.Error:
+        return False
+
+
+def environ_of(pid: int, name: str) -> str:
+    """One variable of the environment ``pid`` started with ('' if unknown)."""
+    try:
+        return psutil.Process(pid).environ().get(name, "")
+    except psutil.Error:
+        return ""
+
+
+def listen_address(pid: int) -> tuple[str, int]:
+    """The (ip, port) the server in the tree of ``pid`` listens on: the first process,
+    root first and then by depth, that listens (the sandbox's init never does, the
+    Jupyter server does before its kernels)."""
+    for p in tree_pids(pid):
+        try:
+            conns = psutil.Process(p).net_connections(kind="tcp")
+        except psutil.Error:
+            continue
+        listening = sorted(
+            (c.laddr.port, c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN
+        )
+        if listening:
+            port, ip = listening[0]
+            return ip, port
+    return "", 0
+
+
+def port_holder(ip: str, port: int) -> str | None:
+    """None if ``ip:port`` can be listened on now, else who holds it ("pid N (name)")."""
+    ip = ip if ip not in ("", "0.0.0.0") else "127.0.0.1"
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((ip, port))
+            return None
+        except OSError:
+            pass
+    with contextlib.suppress(psutil.Error, OSError):
+        for c in psutil.net_connections(kind="tcp"):
+            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
+                return f"pid {c.pid} ({psutil.Process(c.pid).name()})"
+    return "another process"

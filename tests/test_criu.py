@@ -11,7 +11,7 @@ import psutil
 import pytest
 
 from jupyterhub_gpusnap.checkpoint import CheckpointError, CheckpointRefused, criu
-from jupyterhub_gpusnap.checkpoint.local import is_alive, tree_pids
+from jupyterhub_gpusnap.procs import is_alive, tree_pids
 
 pytestmark = pytest.mark.criu
 

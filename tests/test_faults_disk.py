@@ -27,10 +27,11 @@ import pytest
 
 from jupyterhub_gpusnap import metrics
 from jupyterhub_gpusnap.checkpoint.base import CheckpointError, CheckpointRefused
-from jupyterhub_gpusnap.checkpoint.local import LocalBackend, is_alive, is_frozen
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend
 from jupyterhub_gpusnap.checkpoint.manifest import MANIFEST, Manifest
 from jupyterhub_gpusnap.model import Server, State
 from jupyterhub_gpusnap.policy import Policy, Rule
+from jupyterhub_gpusnap.procs import is_alive, is_frozen
 from jupyterhub_gpusnap.store import Store
 from jupyterhub_gpusnap.watcher import Watcher
 

@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 from test_restore_e2e import service_backend, snap_config
 
-from jupyterhub_gpusnap.checkpoint.local import is_alive
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest
 from jupyterhub_gpusnap.model import Server
+from jupyterhub_gpusnap.procs import is_alive
 from tests.helpers.gpusnap_service import GpuSnapService
 from tests.helpers.smtp_server import SmtpServer
 

@@ -18,9 +18,10 @@ import time
 
 import pytest
 
-from jupyterhub_gpusnap.checkpoint.local import LocalBackend, is_alive
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest
 from jupyterhub_gpusnap.model import Server
+from jupyterhub_gpusnap.procs import is_alive
 
 pytestmark = [pytest.mark.faults, pytest.mark.criu]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jupyterhub_gpusnap.checkpoint import CheckpointError, local
+from jupyterhub_gpusnap.checkpoint import CheckpointError, local_restore
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest
 from jupyterhub_gpusnap.gpu.compat import (
@@ -50,7 +50,7 @@ def test_gpu_mismatch_names_the_difference_and_the_fix(m, host, words):
 
 
 def test_local_backend_and_agent_share_one_check():
-    assert local.gpu_mismatch is gpu_mismatch
+    assert local_restore.gpu_mismatch is gpu_mismatch
 
 
 def test_needs_round_trip_through_image_annotations_and_name_the_node():

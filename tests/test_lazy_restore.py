@@ -29,12 +29,12 @@ import pytest
 from jupyterhub_gpusnap import sandbox
 from jupyterhub_gpusnap.checkpoint import CheckpointError, lazy
 from jupyterhub_gpusnap.checkpoint.chunks import STORE
-from jupyterhub_gpusnap.checkpoint.local import LocalBackend, is_alive
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest, is_pages_file
 from jupyterhub_gpusnap.checkpoint.page_sums import sums_name, write_sums
 from jupyterhub_gpusnap.checkpoint.pagemap import PagemapError, eager_ranges, read_pagemaps
 from jupyterhub_gpusnap.model import Server
-from jupyterhub_gpusnap.procs import tree_pids
+from jupyterhub_gpusnap.procs import is_alive, tree_pids
 from tests.helpers.realhub import free_port
 
 pytestmark = pytest.mark.criu

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from jupyterhub_gpusnap.checkpoint import CheckpointError, CheckpointRefused
-from jupyterhub_gpusnap.checkpoint.local import LocalBackend, encode_name, is_alive, is_frozen
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend, encode_name
 from jupyterhub_gpusnap.checkpoint.manifest import (
     MANIFEST,
     Manifest,
@@ -28,6 +28,7 @@ from jupyterhub_gpusnap.checkpoint.manifest import (
     verify_image,
 )
 from jupyterhub_gpusnap.model import Server
+from jupyterhub_gpusnap.procs import is_alive, is_frozen
 
 pytestmark = pytest.mark.criu
 

@@ -31,10 +31,10 @@ import pytest
 
 from jupyterhub_gpusnap import sandbox
 from jupyterhub_gpusnap.checkpoint import CheckpointRefused, criu
-from jupyterhub_gpusnap.checkpoint.local import LocalBackend, is_alive, is_frozen
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend
 from jupyterhub_gpusnap.checkpoint.manifest import MANIFEST, Manifest
 from jupyterhub_gpusnap.model import Server
-from jupyterhub_gpusnap.procs import tree_pids
+from jupyterhub_gpusnap.procs import is_alive, is_frozen, tree_pids
 from tests.helpers.realhub import free_port
 
 PLAIN_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -33,37 +33,29 @@ fresh server). GPU memory is only restored once every checksum matched.
 each page checked as it arrives (lazy.py); a damaged page then kills the running tree and
 marks the checkpoint failed. Its GPU memory comes back behind the first answer.
 
-The steps are :class:`~.base.CheckpointBackend`'s protocol; this module supplies its hooks
-(``do_preflight`` to ``do_resume``; ``do_unfinished``/``do_dumped`` for crash recovery;
-``do_expired`` for retention). Where the image is kept (``storage``: files or chunks) is
-:mod:`.image_store`; the lazy restore is :mod:`.local_lazy`.
+The steps are :class:`~.base.CheckpointBackend`'s protocol. This module holds the backend's
+configuration, its state and its checkpoints' folders (list, mark, delete, ``do_expired``
+for retention); the suspension's hooks (``do_preflight`` to ``do_resume``;
+``do_unfinished``/``do_dumped`` for crash recovery) are :mod:`.local_suspend`, the restore
+:mod:`.local_restore`, the lazy restore :mod:`.local_lazy`. Where the image is kept
+(``storage``: files or chunks) is :mod:`.image_store`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import errno
 import os
 import re
 import shutil
-import signal
-import socket
 import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import quote, unquote
 
-import psutil
 from traitlets import Bool, Enum, Float, Integer, List, TraitError, Unicode, validate
 
-from .. import sandbox
-from ..gpu.compat import gpu_mismatch
-from ..model import Server, server_key
-from ..procs import boot_clock, started_since, tree_pids
+from ..model import server_key
 from . import criu
 from . import scrub as chunk_scrub
 from .base import (
@@ -72,36 +64,29 @@ from .base import (
     CheckpointInfo,
     CheckpointRefused,
     Kept,
-    Restored,
-    RestoreTarget,
-    Suspension,
     expired,
     protected,
 )
-from .chunks import PAGE, STORE, ChunkStore, Follower
+from .chunks import PAGE, STORE, ChunkStore
 from .image_store import (
     ChunksStore,
     FilesStore,
-    ImageSource,
     ImageStore,
-    RestoreJob,
     clear_staging,
-    drop_image_files,
 )
 from .keys import Key, KeyFileError, load_keys
 from .local_lazy import LazyRestoreMixin
+from .local_restore import LocalRestoreMixin
+from .local_suspend import LocalSuspendMixin
 from .manifest import (
     CHUNK_BYTES,
     MANIFEST,
     Manifest,
-    check_complete,
-    verify_image,
 )
 from .streamer import PIPE_BYTES
 
 DEFAULT_NAME = "_default"
 REPLICAS = ".chunks-replica"  # replica_dir's default, in checkpoint_dir
-_TS = "%Y%m%dT%H%M%S"
 
 
 def encode_name(name: str) -> str:
@@ -118,82 +103,7 @@ def decode_name(enc: str) -> str:
     return "" if enc == DEFAULT_NAME else unquote(enc)
 
 
-
-
-def is_alive(pid: int) -> bool:
-    """True if ``pid`` runs (or is stopped); a zombie counts as dead."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
-
-
-def is_frozen(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
-    except psutil.Error:
-        return False
-
-
-def environ_of(pid: int, name: str) -> str:
-    """One variable of the environment ``pid`` started with ('' if unknown)."""
-    try:
-        return psutil.Process(pid).environ().get(name, "")
-    except psutil.Error:
-        return ""
-
-
-def listen_address(pid: int) -> tuple[str, int]:
-    """The (ip, port) the server in the tree of ``pid`` listens on: the first process,
-    root first and then by depth, that listens (the sandbox's init never does, the
-    Jupyter server does before its kernels)."""
-    for p in tree_pids(pid):
-        try:
-            conns = psutil.Process(p).net_connections(kind="tcp")
-        except psutil.Error:
-            continue
-        listening = sorted(
-            (c.laddr.port, c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN
-        )
-        if listening:
-            port, ip = listening[0]
-            return ip, port
-    return "", 0
-
-
-def port_holder(ip: str, port: int) -> str | None:
-    """None if ``ip:port`` can be listened on now, else who holds it ("pid N (name)")."""
-    ip = ip if ip not in ("", "0.0.0.0") else "127.0.0.1"
-    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((ip, port))
-            return None
-        except OSError:
-            pass
-    with contextlib.suppress(psutil.Error, OSError):
-        for c in psutil.net_connections(kind="tcp"):
-            if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
-                return f"pid {c.pid} ({psutil.Process(c.pid).name()})"
-    return "another process"
-
-
-@dataclass
-class LocalSuspension(Suspension):
-    """A local suspension: the checkpoint's folder and manifest, the tree, what was frozen."""
-
-    folder: Path = Path()
-    manifest: Manifest | None = None
-    pids: list[int] = field(default_factory=list)
-    cuda_pids: list[int] = field(default_factory=list)
-    follower: Follower | None = None
-    # found after a crash (recover): whether the server's root process runs, frozen
-    root_alive: bool = True
-    frozen: bool = True
-
-
-class LocalBackend(LazyRestoreMixin, CheckpointBackend):
+class LocalBackend(LazyRestoreMixin, LocalRestoreMixin, LocalSuspendMixin, CheckpointBackend):
     """Checkpoints servers running on this host with CRIU (+ the CUDA checkpoint API)."""
 
     checkpoint_dir = Unicode(
@@ -762,295 +672,6 @@ class LocalBackend(LazyRestoreMixin, CheckpointBackend):
         clear_staging(self.restore_staging_dir, self.log)
         await self.recover()
 
-    async def check(self, server: Server) -> None:
-        """Refuse (:class:`CheckpointRefused`) when ``server`` cannot be checkpointed now."""
-        await self._preflight(server)
-
-    async def _preflight(self, server: Server, reserve: bool = False) -> tuple[str, list[int], int, dict]:
-        """Checks before touching anything; returns (criu version, tree pids, estimate,
-        GPU inventory). Everything here runs before the GPU is freed: keep it quick.
-        ``reserve``: hold the estimate of disk space for this server until
-        :meth:`_locked_checkpoint` ends (other suspensions then count it as taken)."""
-        version = await self._require_criu()
-        pid = server.pid
-        if not pid:
-            raise CheckpointRefused(
-                f"{server.key}: no pid in the spawner state (needs a local spawner and the "
-                "admin:server_state scope)"
-            )
-        if not is_alive(pid):
-            raise CheckpointRefused(f"{server.key}: process {pid} is not running")
-        pending = self._load_all(server.user, server.name)
-        if pending and pending[0][1].status == "writing":
-            raise CheckpointRefused(
-                f"{server.key}: a checkpoint is already being written ({self._id(pending[0][0])})",
-                retry=True,
-            )
-        pids = tree_pids(pid)
-        why = "; ".join(sandbox.unreachable_files(pids)[:3]) or criu.limits_unreadable(pids)
-        if why:
-            raise CheckpointRefused(f"{server.key}: cannot be checkpointed: {why}")
-        rss = 0
-        for p in pids:
-            try:
-                rss += psutil.Process(p).memory_info().rss
-            except psutil.Error:
-                pass
-        inventory: dict = {}
-        cuda = self.cuda()
-        if cuda is not None:
-            try:  # one NVML pass: the estimate and the manifest's GPU facts
-                inventory = await asyncio.to_thread(cuda.gpu_inventory, pids)
-            except Exception as e:  # no NVML: the estimate is CPU-only
-                self.log.debug("GPU inventory of %s unavailable: %s", server.key, e)
-        estimate = rss + int(inventory.get("gpu_bytes", 0))
-        self._mkdir(self.root)
-        # From here to the reservation nothing awaits: two suspensions cannot both take
-        # the same free space.
-        self._check_disk(server.key, estimate)
-        if reserve:
-            self._reserved[server.key] = estimate
-        return version, pids, estimate, inventory
-
-    def _check_disk(self, key: str, estimate: int) -> None:
-        """Refuse unless checkpoint_dir's disk holds ``estimate`` + min_free_bytes beyond
-        what suspensions under way have reserved (their estimates, held until they end)."""
-        free = shutil.disk_usage(self.root).free
-        others = {k: n for k, n in self._reserved.items() if k != key}
-        held = sum(others.values())
-        need = estimate + self.min_free_bytes
-        if free - held >= need:
-            return
-        gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
-        needs = (
-            f"need {gib(estimate)} for the image + {gib(self.min_free_bytes)} "
-            "(LocalBackend.min_free_bytes)"
-        )
-        if free >= need:  # it fits once the suspensions under way are done
-            raise CheckpointRefused(
-                f"{key}: not enough disk in {self.root} now: {gib(free)} free, "
-                f"{gib(held)} of it reserved by suspensions under way "
-                f"({', '.join(sorted(others))}), {needs}. Nothing was frozen; it is tried "
-                "again later. If it persists, free space, move checkpoint_dir, or lower "
-                "Watcher.suspend_concurrency",
-                retry=True,
-            )
-        raise CheckpointRefused(
-            f"{key}: not enough disk in {self.root}: {gib(free)} free"
-            + (f" ({gib(held)} of it reserved by suspensions under way)" if held else "")
-            + f", {needs}; free space, move checkpoint_dir, or lower keep_last/max_age_days"
-        )
-
-    async def checkpoint(self, server: Server) -> CheckpointInfo:
-        """Checkpoint, verify, then kill ``server``'s tree (see the module docstring).
-
-        Cancelling the caller (e.g. ``asyncio.wait_for`` timing out) does not abort a
-        checkpoint half-way, which could leave the server frozen: it runs to its end
-        (verified and ended, or failed and resumed) and the outcome is logged.
-        ``dump_timeout`` bounds the dump itself.
-        """
-        task = asyncio.ensure_future(self._locked_checkpoint(server))
-        task.add_done_callback(lambda t: self._log_orphan(server.key, t))
-        return await asyncio.shield(task)
-
-    async def _locked_checkpoint(self, server: Server) -> CheckpointInfo:
-        async with self._lock(server.key):
-            self._active.add(server.key)
-            try:
-                return await super().checkpoint(server)
-            finally:
-                self._active.discard(server.key)
-                self._reserved.pop(server.key, None)  # the dump has ended: its space is real
-
-    def _log_orphan(self, key: str, task: asyncio.Task) -> None:
-        """Retrieve the outcome of a checkpoint whose caller stopped waiting."""
-        if task.cancelled():
-            return
-        error = task.exception()
-        if error is not None and not isinstance(error, CheckpointError):
-            self.log.error("%s: checkpoint crashed: %r", key, error)
-
-    async def do_preflight(self, server: Server) -> LocalSuspension:
-        """The checks (:meth:`_preflight`, its disk estimate held for this suspension),
-        then the checkpoint's folder and its manifest, ``writing`` (what :meth:`recover`
-        finds after a crash)."""
-        t0 = time.monotonic()  # time_to_gpu_free_s counts from here
-        version, pids, _, inv = await self._preflight(server, reserve=True)
-        pid = server.pid
-        created = time.time()
-        stamp = datetime.fromtimestamp(created, timezone.utc).strftime(_TS)
-        folder = (
-            self.server_dir(server.user, server.name)
-            / f"{stamp}.{int(created * 1e6) % 1_000_000:06d}Z"
-        )
-        self._mkdir(folder)
-        m = Manifest(
-            user=server.user,
-            server=server.name,
-            created=created,
-            criu_version=version,
-            pid=pid,
-            tcp_mode=self.tcp_mode,
-            shell_job=criu.needs_shell_job(pid),
-            gpu_model=inv.get("gpu_model", ""),
-            gpu_count=int(inv.get("gpu_count", 0)),
-            gpu_bytes=int(inv.get("gpu_bytes", 0)),
-            driver_version=inv.get("driver_version", ""),
-            # the storage it is written for, from the start: a failed or interrupted chunk
-            # checkpoint's raw files (plaintext memory) are then known to be deleted
-            storage=self.storage,
-        )
-        m.extra["tree"] = pids
-        m.extra["started"] = boot_clock()  # processes older than this are the suspended server
-        m.extra["mount_namespace"] = sandbox.own_mount_namespace(pid)
-        m.extra["gpu_devices"] = list(inv.get("gpu_devices", []))
-        # Not fsync'ed: it must outlive a crash of the service (recover() then resumes the
-        # tree); a crash of the machine loses the suspended GPU state anyway.
-        m.save(folder, durable=False)
-        self.log.info(
-            "%s: checkpoint %s writing (pid %s, %d processes)",
-            server.key,
-            self._id(folder),
-            pid,
-            len(pids),
-        )
-        return LocalSuspension(
-            server, started=t0, id=self._id(folder), folder=folder, manifest=m, pids=pids
-        )
-
-    async def do_freeze(self, s: LocalSuspension) -> None:
-        """GPU memory to host memory (the CUDA checkpoint API): the GPU is free from here.
-        A busy GPU refuses (the driver rolled back): the folder goes, nothing changed."""
-        cuda = self.cuda()
-        if cuda is not None:
-            try:
-                s.cuda_pids = await cuda.suspend(s.pids, lock_timeout_ms=self.lock_timeout_ms)
-            except CheckpointRefused as e:
-                # Nothing changed (the driver rolled back): not a failed image, just not now.
-                shutil.rmtree(s.folder, ignore_errors=True)
-                self.log.info("%s: checkpoint refused: %s", s.server.key, e)
-                raise
-        s.manifest.cuda_pids = s.cuda_pids
-        s.manifest.time_to_gpu_free_s = round(time.monotonic() - s.started, 3)
-
-    async def do_dump(self, s: LocalSuspension) -> None:
-        """``criu dump --leave-stopped`` (packed into chunks while CRIU writes, with
-        ``storage = 'chunks'``)."""
-        m, folder, pid = s.manifest, s.folder, s.server.pid
-        cuda = self.cuda()
-        # What the GPU step does not need, read after it rather than before.
-        m.ip, m.port = listen_address(pid)
-        m.api_token = self._seal_token(environ_of(pid, "JUPYTERHUB_API_TOKEN"))
-        if cuda is not None and m.gpu_count and not m.driver_version:
-            m.driver_version = cuda.driver_version() or ""
-        m.save(folder)
-        t1 = time.monotonic()
-        store = self.image_store(self.storage)
-        s.follower = await store.begin(folder)
-        with store.writeback(folder):
-            await criu.dump(
-                pid,
-                folder,
-                criu=self.criu_path,
-                tcp=self.tcp_mode,
-                leave_stopped=True,
-                extra=[*sandbox.dump_args(pid), *self.dump_extra_args],
-                timeout=self.dump_timeout,
-            )
-        m.dump_seconds = round(time.monotonic() - t1, 3)
-
-    async def do_verify(self, s: LocalSuspension) -> None:
-        """Complete, checksummed, durable (:meth:`_verify_dump`), and the tree still frozen."""
-        await self._verify_dump(s.folder, s.manifest, s.follower)
-        if s.phase == "recover":
-            return  # do_dumped checked the tree
-        if not all(is_frozen(p) or not is_alive(p) for p in s.pids[:1]):
-            raise CheckpointError(f"process {s.server.pid} is no longer frozen after the dump")
-
-    async def do_record(self, s: LocalSuspension) -> CheckpointInfo:
-        m = s.manifest
-        m.status = "verified"
-        m.verified_at = time.time()
-        m.save(s.folder)
-        return self.info(s.folder, m)
-
-    async def do_end(self, s: LocalSuspension, info: CheckpointInfo) -> None:
-        """Only now, the image safe: the frozen tree is killed; a chunk checkpoint's raw
-        files go, a lazy-mode one gets its page checksums in the background."""
-        m, folder = s.manifest, s.folder
-        if s.phase == "recover":  # completed after a crash: a still-frozen tree goes
-            if s.frozen:
-                await self.kill_tree(s.pids)
-            self.log.warning("%s: checkpoint %s completed at recovery", s.server.key, s.id)
-            return
-        await self.kill_tree(s.pids)
-        self.image_store(m.storage).after_verified(folder)
-        if m.storage == "files" and self.restore_mode == "lazy":
-            # nobody waits for them: a restore that comes first is eager
-            cid = self._id(folder)
-            self.page_sums[cid] = asyncio.ensure_future(
-                self._write_page_sums(folder, m, s.server.key)
-            )
-        self.log.info(
-            "%s: checkpoint %s verified (%.1f MiB, GPU free after %.2fs, dump %.2fs, "
-            "checksums and fsync %.2fs, %s); processes ended",
-            s.server.key, self._id(folder), m.image_bytes / 2**20, m.time_to_gpu_free_s,
-            m.dump_seconds, m.seal_seconds, m.verification,
-        )  # fmt: skip
-
-    async def _undo_interrupted(self, s: LocalSuspension, why: str) -> None:
-        """A suspension a crash interrupted, not to be completed: the tree resumed if it
-        runs (its GPU state may be checkpointed even if the service died before recording
-        it), the checkpoint failed."""
-        m, folder, key = s.manifest, s.folder, s.server.key
-        if s.root_alive:
-            await self._fail(folder, m, key, s.pids, m.cuda_pids or s.pids, why)
-            return
-        m.status, m.error = "failed", why + " and the process is gone"
-        if m.storage == "chunks":
-            drop_image_files(folder)
-        m.save(folder)
-        self.log.error("%s: checkpoint %s failed at recovery: %s", key, s.id, m.error)
-
-    async def do_resume(self, s: LocalSuspension, error: Exception) -> Exception:
-        """SIGCONT, GPU memory back, the image kept ``failed`` (:meth:`_fail`); the error
-        says why and that the server keeps running."""
-        key = s.server.key
-        if s.phase == "recover":
-            await self._undo_interrupted(s, str(error))
-            return error
-        if s.phase == "freeze":
-            await self._fail(s.folder, s.manifest, key, s.pids, [], f"GPU checkpoint failed: {error}")
-            return CheckpointError(f"{key}: GPU checkpoint failed, server left running: {error}")
-        if s.follower is not None:
-            await asyncio.to_thread(s.follower.close)
-        why = await self._fail(s.folder, s.manifest, key, s.pids, s.cuda_pids, str(error))
-        if isinstance(error, CheckpointError):
-            return CheckpointError(f"{key}: {why}; the server keeps running")
-        return CheckpointError(
-            f"{key}: checkpoint failed ({type(error).__name__}: {why}); the server keeps running"
-        )
-
-    async def _verify_dump(self, folder: Path, m: Manifest, follower: Follower | None = None) -> None:
-        """Make a finished dump "verified" (see the module docstring) or raise CheckpointError:
-        complete (CRIU's files and its success line), then sealed by the image store.
-
-        Fills ``files``, ``sizes``, ``chunk_bytes``, ``image_bytes`` and ``verification``.
-        """
-        t = time.monotonic()
-        problems = await asyncio.to_thread(check_complete, folder)
-        if problems:
-            raise CheckpointError("image verification failed: " + "; ".join(problems[:5]))
-        await self.image_store(self.storage).seal(folder, m, follower)
-        m.seal_seconds = round(time.monotonic() - t, 3)
-
-    def _seal_token(self, token: str) -> str:
-        """The server's API token as the manifest keeps it: sealed when encrypting at rest."""
-        keys = self.keys() if token else []
-        if not keys:
-            return token
-        return "sealed:" + keys[0].seal(token.encode(), b"api_token").hex()
-
     async def scrub(self, full: bool | None = None) -> dict:
         """Check the chunk store and keep shared chunks twice (:meth:`.ChunksStore.scrub`);
         the report as a dict (empty when there is no chunk store)."""
@@ -1061,87 +682,6 @@ class LocalBackend(LazyRestoreMixin, CheckpointBackend):
             ]
         )
         return await self.image_store("chunks").scrub(found, full)
-
-    async def _fail(
-        self, folder: Path, m: Manifest, key: str, pids: list[int], cuda_pids: list[int], why: str
-    ) -> str:
-        """Let the server go on (SIGCONT, GPU memory back) and keep the image as ``failed``;
-        the reason recorded (``why`` and what was found and done about it)."""
-        self.resume_tree(pids)
-        if cuda_pids and self.cuda() is not None:
-            try:
-                await self.cuda().resume(cuda_pids)
-            except Exception as e:
-                why += f"; resuming GPU memory failed too: {e}"
-        full = _disk_full(why, folder)
-        if m.storage == "chunks" and not full:
-            # CRIU's raw files of a chunk checkpoint are the server's memory unencrypted and
-            # of no use once it failed (the server runs on): never left on the disk
-            freed = await asyncio.to_thread(drop_image_files, folder)
-            if freed:
-                why += f"; its raw image files ({freed / 2**20:.1f} MiB of the server's memory) were deleted"
-        while True:
-            if full:
-                # A half-written image is of no use (the server runs on) and keeps every
-                # other suspension from fitting: give the space back, keep logs and manifest.
-                # (CRIU's log is on the same disk, so it may be cut short before it says
-                # why; the disk is asked too, and a record that does not fit says so.)
-                freed = await asyncio.to_thread(drop_image_files, folder)
-                why += (
-                    f"; the disk holding {self.root} is full (No space left on device): the "
-                    f"partial image ({freed / 2**20:.1f} MiB) was deleted. Free space there, "
-                    "move LocalBackend.checkpoint_dir, or lower keep_last/max_age_days"
-                )
-            m.status, m.error = "failed", why
-            try:
-                m.save(folder)
-            except OSError as e:
-                if not full and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                    full = True  # no room even for the record: free the image, record again
-                    continue
-                # apply_retention()'s recover() records it once it can
-                self.log.error("%s: cannot record failure in %s: %s", key, folder, e)
-            break
-        self.log.error("%s: checkpoint %s failed, server resumed: %s", key, self._id(folder), why)
-        return why
-
-    @staticmethod
-    def resume_tree(pids: list[int]) -> None:
-        """SIGCONT every process of a tree (undoes ``--leave-stopped``)."""
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGCONT)
-            except OSError:
-                pass
-
-    async def kill_tree(self, pids: list[int]) -> None:
-        """SIGKILL a (frozen) tree and wait until it is gone; reap our own children."""
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
-        deadline = time.monotonic() + self.kill_timeout
-        me = os.getpid()
-        while True:
-            left = []
-            for p in pids:
-                try:
-                    proc = psutil.Process(p)
-                    if proc.ppid() == me:
-                        os.waitpid(p, os.WNOHANG)
-                    if proc.status() != psutil.STATUS_ZOMBIE:
-                        left.append(p)
-                except (psutil.Error, ChildProcessError):
-                    continue
-            if not left:
-                return
-            if time.monotonic() > deadline:
-                self.log.warning(
-                    "processes %s still present %gs after SIGKILL", left, self.kill_timeout
-                )
-                return
-            await asyncio.sleep(0.05)
 
     async def get(self, checkpoint_id: str) -> CheckpointInfo | None:
         """One checkpoint by id, or None."""
@@ -1282,279 +822,6 @@ class LocalBackend(LazyRestoreMixin, CheckpointBackend):
         keep = protected(self._kept(found))
         return {m.port for f, m in found if m.port and self._id(f) in keep}
 
-    # ---------------------------------------------------------------- restore
-    async def restore(
-        self, info: CheckpointInfo, timeout: float = 600.0, into: RestoreTarget | None = None
-    ) -> Restored:
-        """Restore a verified checkpoint on this host (``into`` is not used: a local
-        checkpoint comes back where it was taken); the running server's pid, ip and port.
-
-        Checks sizes and the small files' checksums first, then runs CRIU while the
-        ``pages-*.img`` checksums are computed (see the module docstring). On any failure
-        raises :class:`CheckpointError` with nothing left running (the caller marks the
-        checkpoint failed and starts afresh). On success the checkpoint is marked
-        ``restored``.
-
-        With ``restore_mode = "lazy"`` the tree runs before its memory is back (every page
-        checked as it arrives, :meth:`_restore_lazily`); a damaged page found after that
-        kills the tree and marks the checkpoint failed (docs/lazy-restore.md).
-        """
-        pid, ip, port = await self._restore(info, timeout)
-        return Restored(pid=pid, ip=ip, port=port)
-
-    async def _restore(self, info: CheckpointInfo, timeout: float) -> tuple[int, str, int]:
-        restore_started = time.time()
-        folder = Path(info.location) if info.location else self.folder(info.id)
-        m = Manifest.load(folder)
-        key = server_key(m.user, m.server)
-        if m.status != "verified":
-            raise CheckpointError(f"{key}: checkpoint {info.id} is {m.status}, not verified")
-        adopted = await self._adopt(folder, m, key, info.id)
-        if adopted is not None:
-            return adopted
-        await self._require_criu()
-        await self._wait_for_old_server(m, key)
-        if m.cuda_pids and self.cuda() is not None:
-            try:
-                here = await asyncio.to_thread(self.cuda().gpu_inventory)
-            except Exception as e:
-                here = {"error": str(e)}
-            why = gpu_mismatch(m, here)
-            if why:
-                raise CheckpointError(f"{key}: checkpoint {info.id} cannot be restored here: {why}")
-
-        if self.restore_mode == "lazy":
-            done = await self._restore_lazily(info, folder, m, key, restore_started, timeout)
-            if done is not None:
-                return done
-
-        job = RestoreJob(info, folder, m, key, restore_started, timeout)
-        async with self.image_store(m.storage).restore_source(job) as source:
-            return await self._restore_tree(job, source)
-
-    async def _adopt(self, folder: Path, m: Manifest, key: str, cid: str) -> tuple[int, str, int] | None:
-        """The server an interrupted restore of this checkpoint left running, if any.
-
-        A restore whose caller died (the Hub killed after CRIU started) leaves CRIU to finish
-        on its own: the tree runs, nobody knows it, and restoring again would clash with it.
-        If ``restore.pid`` names a live process started since that restore began (both on
-        the kernel's boot clock, exact to a clock tick) and listening on the checkpoint's
-        port, it is that server: it is checked like any restore (every checksum; its GPU
-        memory resumed) and handed out instead of a second copy.
-        """
-        pid = criu.read_pidfile(folder / "restore.pid")
-        if not pid or not is_alive(pid):
-            return None
-        if started_since(pid, m.extra.get("restore_started")) is not True:
-            return None  # the pid was reused by something older, or by another boot
-        if listen_address(pid)[1] != m.port:
-            return None
-        self.log.warning("%s: adopting pid %s, left running by an interrupted restore of %s", key, pid, cid)
-        problems = []
-        if m.storage == "files":
-            problems = await asyncio.to_thread(
-                verify_image, folder, m.files, chunk_bytes=m.chunk_bytes, sizes=m.sizes, pool=self.pool
-            )
-        try:
-            if problems:
-                raise CheckpointError(f"{key}: image {cid} is damaged: " + "; ".join(problems[:5]))
-            if m.cuda_pids and self.cuda() is not None:
-                await self.cuda().resume(tree_pids(pid))
-        except BaseException:
-            await self.kill_tree(tree_pids(pid))
-            raise
-        m.status = "restored"
-        m.restored_at = time.time()
-        m.extra["restored_pid"] = pid
-        m.extra["adopted"] = True
-        m.save(folder)
-        return pid, m.ip, m.port
-
-    async def _wait_for_old_server(self, m: Manifest, key: str) -> None:
-        """Wait until the suspended server's old processes are gone and its port is free
-        (at most ``port_wait_timeout``); else refuse, the checkpoint left verified."""
-        deadline = time.monotonic() + self.port_wait_timeout
-        stamp = m.extra.get("started")
-        while True:
-            old = [
-                p for p in (m.extra.get("tree") or [])
-                if is_alive(p) and started_since(p, stamp) is False
-            ]  # fmt: skip
-            holder = port_holder(m.ip, m.port) if m.port else None
-            if not old and holder is None:
-                return
-            if time.monotonic() > deadline:
-                what = (
-                    f"port {m.port}, which the suspended server listens on, is taken by {holder}"
-                    if holder
-                    else f"its old processes {old} are still exiting"
-                )
-                raise CheckpointRefused(
-                    f"{key}: cannot restore yet: {what} after {self.port_wait_timeout:g}s. The "
-                    "snapshot is kept; stop that process (or wait) and start the server again"
-                )
-            await asyncio.sleep(0.1)
-
-    async def _restore_tree(self, job: RestoreJob, source: ImageSource) -> tuple[int, str, int]:
-        """criu restore (from ``source.images``; through its streamer's socket when it has
-        one) + GPU restore of a checked image (the second half of :meth:`restore`)."""
-        info, folder, m, key = job.info, job.folder, job.manifest, job.key
-        check_pages, damaged, streamer = source.check_pages, job.damaged, source.streamer
-        phases = {"prepare_s": round(time.time() - job.started, 3)}
-        m.extra["restore_started"] = boot_clock()  # what _adopt recognises this restore by
-        m.save(folder)
-        t = time.monotonic()
-        try:
-            restored = await criu.restore(
-                source.images,
-                folder / "restore.pid",
-                criu=self.criu_path,
-                tcp=m.tcp_mode,
-                shell_job=m.shell_job,
-                extra=[
-                    *sandbox.restore_args(bool(m.extra.get("mount_namespace"))),
-                    *self.restore_extra_args,
-                    *(["--stream"] if streamer else []),
-                ],
-                timeout=job.timeout,
-            )
-        except CheckpointError as e:
-            # A damaged page file is the likelier cause of a failed restore: say so.
-            try:
-                problems = await check_pages()
-            except Exception:
-                problems = []
-            if problems:
-                raise damaged(problems) from e
-            raise
-        phases["criu_s"] = round(time.monotonic() - t, 3)
-        self.restored[restored.pid] = restored
-        for p, r in list(self.restored.items()):
-            if r.reap() is not None:
-                self.restored.pop(p, None)
-        # The page checksums (from the page cache CRIU just filled) and the GPU restore run
-        # together; a damaged image still ends the restored tree before anyone sees it.
-        hashing = check_pages()
-        gpu = None
-        if m.cuda_pids and self.cuda() is not None:
-            gpu = asyncio.ensure_future(self.cuda().resume(tree_pids(restored.pid)))
-
-        async def end(error: BaseException) -> None:
-            if gpu is not None:
-                await asyncio.gather(gpu, return_exceptions=True)
-            await self._end_restored(restored)
-            raise error
-
-        try:
-            problems = await asyncio.shield(hashing)
-        except Exception as e:
-            await end(CheckpointError(f"{key}: cannot check image {info.id}: {e}"))
-        except BaseException as e:  # cancelled: nobody will hand this tree out
-            await end(e)
-        if problems:
-            await end(damaged(problems))
-        if streamer is not None:  # its senders have ended (check_pages waited for them)
-            # which side a streamed restore waited on: the chunk store or CRIU
-            phases["pipe_bytes"] = streamer.pipe_got
-            phases["stream_waited_storage_s"] = round(streamer.waited["storage_s"], 3)
-            phases["stream_waited_criu_s"] = round(streamer.waited["criu_s"], 3)
-            self.image_store("chunks").note_small_pipe(streamer)
-        phases["checks_after_criu_s"] = round(time.monotonic() - t - phases["criu_s"], 3)
-        if gpu is not None:
-            try:
-                await gpu
-            except Exception as e:
-                await self.kill_tree(tree_pids(restored.pid))
-                raise CheckpointError(f"{key}: restoring GPU memory failed: {e}") from e
-        m.status = "restored"
-        m.restored_at = time.time()
-        m.extra["restored_pid"] = restored.pid
-        m.extra["restore_s"] = round(m.restored_at - job.started, 3)
-        # where a restore's time goes, for admins and bench/gpu_suspend.py: the GPU restore
-        # runs alongside the checks, so gpu_done_s counts from the end of criu
-        phases["gpu_done_s"] = round(time.monotonic() - t - phases["criu_s"], 3) if gpu else 0.0
-        m.extra["restore_phases"] = phases
-        m.save(folder)
-        self.log.info(
-            "%s: checkpoint %s restored as pid %s on %s:%s",
-            key,
-            info.id,
-            restored.pid,
-            m.ip,
-            m.port,
-        )
-        return restored.pid, m.ip, m.port
-
-    async def _end_restored(self, restored: criu.Restored) -> None:
-        """Kill a restored tree that must not be handed out, and let its criu exit."""
-        await self.kill_tree(tree_pids(restored.pid))
-        try:
-            await asyncio.wait_for(asyncio.to_thread(restored.criu.wait), self.kill_timeout)
-        except asyncio.TimeoutError:
-            self.log.warning(
-                "criu restore (pid %s) still running after its tree was killed", restored.criu.pid
-            )
-        self.restored.pop(restored.pid, None)
-
-    # ---------------------------------------------------------------- recovery
-    async def do_unfinished(self) -> list[LocalSuspension]:
-        """Checkpoints left ``writing`` by a service that died mid-dump (not those this
-        process writes now). On the way, what a crash left of others: raw image files of
-        packed or failed-and-encrypted checkpoints go, and lazy restores the Hub left
-        unfinished are resolved (:meth:`_recover_lazy`, :meth:`_recover_gpu_behind`)."""
-        left = []
-        for folder, m in self._load_all():
-            if m.status != "writing" and (
-                m.storage == "chunks" or (m.status == "failed" and self.encryption_key_file)
-            ):
-                # raw files a crash left after packing, or of a failed checkpoint on a host
-                # that encrypts at rest (older versions recorded "files" until packed)
-                drop_image_files(folder)
-            if m.status == "restored" and m.extra.get("lazy_pending"):
-                self._recover_lazy(folder, m)
-            elif m.status == "restored" and m.extra.get("gpu_pending"):
-                await self._recover_gpu_behind(folder, m)
-            if m.status != "writing":
-                continue
-            key = server_key(m.user, m.server)
-            if key in self._active:  # being written by this process right now
-                continue
-            root_alive = is_alive(m.pid)
-            left.append(
-                LocalSuspension(
-                    Server(user=m.user, name=m.server, state={"pid": m.pid}),
-                    id=self._id(folder),
-                    folder=folder,
-                    manifest=m,
-                    pids=[p for p in (m.extra.get("tree") or [m.pid]) if is_alive(p)],
-                    root_alive=root_alive,
-                    frozen=root_alive and is_frozen(m.pid),
-                )
-            )
-        return left
-
-    async def do_dumped(self, s: LocalSuspension) -> bool:
-        """CRIU said it finished, and the tree is still frozen (or gone)."""
-        return _dump_finished(s.folder) and (s.frozen or not s.root_alive)
-
-
-# Less free space than this after a failed dump counts as a full disk (CRIU stops at
-# its first failed write, a few MiB of pages at most short of the end).
-DISK_FULL_MARGIN = 16 << 20
-
-
-def _disk_full(why: str, folder: Path) -> bool:
-    """True if a failure's text says the disk (or the quota) is full, or the disk holding
-    ``folder`` has under DISK_FULL_MARGIN free (CRIU's log on a full disk may be cut
-    short before it says so)."""
-    if "No space left on device" in why or "Disk quota exceeded" in why:
-        return True
-    try:
-        st = os.statvfs(folder)
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < DISK_FULL_MARGIN
-
 
 def _days(days: float) -> float | int:
     return int(days) if float(days).is_integer() else days
@@ -1573,11 +840,3 @@ def _rescue_since(folder: Path, m: Manifest) -> float | None:
         return (folder / MANIFEST).stat().st_mtime
     except OSError:
         return m.verified_at
-
-
-def _dump_finished(folder: Path) -> bool:
-    try:
-        text = (folder / "dump.log").read_text(errors="replace")
-    except OSError:
-        return False
-    return bool(re.search(r"Dumping finished successfully", text))

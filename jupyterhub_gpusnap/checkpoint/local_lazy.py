@@ -18,8 +18,8 @@ from pathlib import Path
 
 from .. import sandbox
 from ..model import server_key
-from ..procs import boot_clock, tree_pids
-from . import lazy, local
+from ..procs import boot_clock, is_alive, tree_pids
+from . import lazy
 from .base import CheckpointError
 from .image_store import stream_dir, unstage
 from .manifest import Manifest, is_pages_file
@@ -239,7 +239,7 @@ class LazyRestoreMixin:
         pid = m.extra.get("restored_pid")
         if cid in self.lazy_restores or time.time() - (m.restored_at or 0) < GPU_BEHIND_GRACE:
             return
-        if self.cuda() is None or not pid or not local.is_alive(pid):
+        if self.cuda() is None or not pid or not is_alive(pid):
             m.extra.pop("gpu_pending", None)  # nothing left to bring back to
             m.save(folder)
             return
@@ -261,7 +261,7 @@ class LazyRestoreMixin:
         max_age_days for rescue, docs/operations.md), not left 'restored'."""
         cid = self._id(folder)
         pid = m.extra.get("restored_pid")
-        if cid in self.lazy_restores or (pid and local.is_alive(pid)):
+        if cid in self.lazy_restores or (pid and is_alive(pid)):
             return  # under way (here, or in the Hub)
         m.status = "failed"
         m.error = ("lazy restore failed: the process serving its memory (the Hub) stopped before "
