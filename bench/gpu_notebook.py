@@ -1047,7 +1047,7 @@ def verdicts(rows: list[dict]) -> list[str]:
 
 def show_logs(hub, ckpt: Path, user: str) -> None:
     """Print the ends of the Hub's and the user's server's logs (the machine may not outlive the run)."""
-    from jupyterhub_gpusnap.checkpoint.local import encode_name
+    from jupyterhub_gpusnap.checkpoint.local_layout import encode_name
 
     server_log = ckpt / encode_name(user) / encode_name("") / "server.log"
     for title, path in (("Hub log", hub.log_file), (f"server log of {user}", server_log)):

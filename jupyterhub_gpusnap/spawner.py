@@ -44,7 +44,8 @@ from traitlets import Bool, Float, Instance, Type, Unicode, default
 
 from . import sandbox
 from .checkpoint.base import CheckpointBackend, CheckpointInfo, CheckpointRefused
-from .checkpoint.local import LocalBackend, encode_name
+from .checkpoint.local import LocalBackend
+from .checkpoint.local_layout import encode_name
 from .procs import is_alive
 from .spawner_restore import RestoreMixin, human_bytes
 

@@ -17,7 +17,8 @@ import psutil
 import pytest
 
 from jupyterhub_gpusnap.checkpoint import CheckpointError, CheckpointRefused
-from jupyterhub_gpusnap.checkpoint.local import LocalBackend, encode_name
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend
+from jupyterhub_gpusnap.checkpoint.local_layout import encode_name
 from jupyterhub_gpusnap.checkpoint.manifest import (
     MANIFEST,
     Manifest,
