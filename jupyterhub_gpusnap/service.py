@@ -76,8 +76,10 @@ class Service:
             "name": status.name,
             "state": str(status.state),
             "state_since": iso(status.state_since),
-            "running": server is not None,
-            "url": server.url if server else None,
+            # a suspended server's processes are gone, though the last tick's list of the
+            # Hub's servers (until the next tick) may still hold it
+            "running": server is not None and status.state != State.suspended,
+            "url": server.url if server and status.state != State.suspended else None,
             "rule": status.rule or rule.name,
             "reason": status.reason,
             "last_active": iso(status.last_active),

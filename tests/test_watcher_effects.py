@@ -132,3 +132,25 @@ async def test_a_restored_server_gone_because_its_restore_could_not_finish_is_a_
             assert after == before + 1
         else:
             assert "restore_failed" not in kinds and told == [] and after == before, (kinds, told)
+
+
+async def test_a_suspended_server_is_not_running_before_the_next_tick_says_so(tmp_path):
+    """Right after a suspension the last tick's list of the Hub's servers still holds the
+    server; its model must say it is not running (the Lab panel shows "suspended at …,
+    your kernels are saved" from it, not "server not running")."""
+    from jupyterhub_gpusnap.policy import ServerStatus
+
+    alice = Server(user="alice", started=datetime.fromtimestamp(T - 100, timezone.utc), state={"pid": 1})
+    store = Store(f"sqlite:///{tmp_path}/gpusnap.sqlite")
+    policy = Policy([], Rule())
+    watcher = Watcher(hub=Hub([alice]), store=store, policy=policy, sources=[QuietGpu()], backend=None,
+                      clock=lambda: T, log=log)  # fmt: skip
+    watcher.servers = {alice.key: alice}  # the last tick's list
+    service = Service(watcher, store, policy, clock=lambda: T)
+    running = ServerStatus(key="alice/", user="alice", name="", state=State.idle, state_since=T,
+                           last_active=T, started=T)  # fmt: skip
+    assert service.model(running)["running"] is True
+    suspended = ServerStatus(key="alice/", user="alice", name="", state=State.suspended,
+                             state_since=T, last_active=T, started=T, checkpoint_id="c1")  # fmt: skip
+    model = service.model(suspended)
+    assert model["running"] is False and model["url"] is None, model
