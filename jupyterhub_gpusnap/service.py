@@ -63,6 +63,9 @@ class Service:
         decision = watcher.decisions.get(status.key)
         server = watcher.servers.get(status.key)
         rule = self.policy.rule_for(server) if server else self.policy.default
+        # a suspended server's processes are gone, though the last tick's list of the Hub's
+        # servers may hold it until the next tick
+        running = server if status.state != State.suspended else None
         now = self.clock()
         kept = status.keep_until is not None and status.keep_until > now
         # while kept running (or exempt) nothing is scheduled: no countdown beside "kept running until"
@@ -76,10 +79,8 @@ class Service:
             "name": status.name,
             "state": str(status.state),
             "state_since": iso(status.state_since),
-            # a suspended server's processes are gone, though the last tick's list of the
-            # Hub's servers (until the next tick) may still hold it
-            "running": server is not None and status.state != State.suspended,
-            "url": server.url if server and status.state != State.suspended else None,
+            "running": running is not None,
+            "url": running.url if running else None,
             "rule": status.rule or rule.name,
             "reason": status.reason,
             "last_active": iso(status.last_active),

@@ -183,7 +183,7 @@ class LazyRestoreMixin:
         except CheckpointError as e:
             lazy.LAZY_RESTORES.labels(result="failed").inc()
             self.restored.pop(lr.pid, None)
-            why = f"lazy restore failed after the server ran: {e}"
+            why = _after_it_ran(e)
             self.log.error("%s: checkpoint %s: %s", key, cid, why)
             try:
                 await self.mark(cid, "failed", why)
@@ -247,7 +247,7 @@ class LazyRestoreMixin:
             await self._restore_gpu_behind(key, cid, tree_pids(pid))
         except CheckpointError as e:
             await self.kill_tree(tree_pids(pid))
-            m.status, m.error = "failed", f"lazy restore failed after the server ran: {e}"
+            m.status, m.error = "failed", _after_it_ran(e)
             m.extra["failed_at"] = time.time()
             lazy.LAZY_RESTORES.labels(result="failed").inc()
             self.log.error("%s: checkpoint %s: %s", key, cid, m.error)
@@ -264,8 +264,14 @@ class LazyRestoreMixin:
         if cid in self.lazy_restores or (pid and is_alive(pid)):
             return  # under way (here, or in the Hub)
         m.status = "failed"
-        m.error = ("lazy restore failed: the process serving its memory (the Hub) stopped before "
+        m.error = (f"{lazy.UNFINISHED}: the process serving its memory (the Hub) stopped before "
                    "every page was in, and the restored server was stopped with it")  # fmt: skip
         m.extra["failed_at"] = time.time()
         m.save(folder)
         self.log.error("%s: checkpoint %s: %s", server_key(m.user, m.server), cid, m.error)
+
+
+def _after_it_ran(error: Exception) -> str:
+    """A failed snapshot's error when its lazy restore could not finish after the server
+    ran; the service tells such a server's end by its start, :data:`.lazy.UNFINISHED`."""
+    return f"{lazy.UNFINISHED} after the server ran: {error}"
