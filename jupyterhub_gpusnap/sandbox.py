@@ -20,8 +20,9 @@ The spawner starts ``python sandbox.py --log FILE [--user NAME] -- COMMAND…`` 
     stdin (``/dev/null``) and the log *inside* the namespace: CRIU cannot follow a file
     opened through another mount namespace ("Can't lookup mount=… for fd=0"). Dies
     with the launcher (``PR_SET_PDEATHSIG``), so the server can never outlive what the
-    Hub tracks. Passes signals on to the server (the kernel drops a signal sent from
-    outside to a namespace's init unless the init handles it), adopts and reaps
+    Hub tracks. Passes signals on to the server (kept blocked and taken with
+    ``sigtimedwait``: the kernel drops a signal sent from outside to a namespace's init
+    that has no handler, but keeps a blocked one pending), adopts and reaps
     detached jobs (``nohup … &`` stays in the tree, and in the checkpoint), and exits
     with the server's status. It is the root of the tree CRIU dumps; it has no open
     files but stdio, and holds no memory worth counting.
@@ -180,17 +181,36 @@ def _die_by(signum: int) -> None:
     os._exit(128 + signum)  # a signal that does not kill (SIGCHLD…): exit like a shell
 
 
-def _forward_to(pid_of) -> None:
-    def forward(signum, _frame):
-        pid = pid_of()
-        if pid:
+def _relay(child: int, reap_others: bool) -> int:
+    """Pass every stop signal on to ``child`` until it exits; its waitpid status.
+
+    The signals are never handled, only kept blocked and taken with ``sigtimedwait``
+    (as tini does): a blocked signal stays pending even for a namespace's init, which
+    the kernel would otherwise drop while it has no handler, and there is no moment at
+    which a handler runs before ``child`` is known. ``reap_others``: also reap any other
+    process that ends (the init adopts detached jobs).
+    """
+    wanted = {*FORWARDED, signal.SIGCHLD}
+    while True:
+        info = signal.sigtimedwait(wanted, 5.0)
+        if info is not None and info.si_signo != signal.SIGCHLD:
             try:
-                os.kill(pid, signum)
+                os.kill(child, info.si_signo)
             except OSError:
                 pass
+        while True:  # SIGCHLDs coalesce: reap until nothing is left to reap
+            try:
+                pid, status = os.waitpid(-1 if reap_others else child, os.WNOHANG)
+            except ChildProcessError:
+                return 0
+            if pid == 0:
+                break
+            if pid == child:
+                return status
 
-    for s in FORWARDED:
-        signal.signal(s, forward)
+
+def _unblock_all() -> None:
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {*FORWARDED, signal.SIGCHLD})
 
 
 def _launcher(log: str, user: str | None, cmd: list[str]) -> None:
@@ -201,11 +221,9 @@ def _launcher(log: str, user: str | None, cmd: list[str]) -> None:
     except OSError as e:
         _say(f"cannot make the server's namespaces ({e}); the Hub must run as root")
         os._exit(1)
-    init = 0
-    _forward_to(lambda: init)
-    # Blocked until each process can pass them on: the kernel drops a signal sent to a
-    # namespace's init that has no handler yet, but keeps a blocked one pending.
-    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    # Blocked from here on, in the init too (the mask survives fork and exec): each
+    # process takes them with sigtimedwait (see _relay), so none is lost or dropped.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {*FORWARDED, signal.SIGCHLD})
     init = os.fork()
     if init == 0:
         try:
@@ -215,11 +233,7 @@ def _launcher(log: str, user: str | None, cmd: list[str]) -> None:
         except OSError as e:
             _say(f"cannot start the server's init: {e}")
         os._exit(1)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
-    while True:
-        pid, status = os.waitpid(init, 0)
-        if pid == init:
-            _status_exit(status)
+    _status_exit(_relay(init, reap_others=False))
 
 
 def _init(log: str, user: str | None, cmd: list[str]) -> None:
@@ -235,29 +249,15 @@ def _init(log: str, user: str | None, cmd: list[str]) -> None:
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.closerange(3, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 0 else 1024)
-    server = 0
-    _forward_to(lambda: server)
     server = os.fork()
     if server == 0:
         _server(user, cmd)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # blocked since the launcher
-    status = None
-    while True:
-        try:
-            pid, st = os.wait()
-        except ChildProcessError:
-            break
-        if pid == server:
-            status = st
-            break
     # every process left in the namespace is killed when its init exits
-    _status_exit(status if status is not None else 0)
+    _status_exit(_relay(server, reap_others=True))
 
 
 def _server(user: str | None, cmd: list[str]) -> None:
-    for s in FORWARDED:
-        signal.signal(s, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+    _unblock_all()  # a signal sent since the fork, pending, ends the server here
     try:
         os.setsid()
         if user is not None:
