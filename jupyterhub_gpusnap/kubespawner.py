@@ -13,8 +13,9 @@ stops it through the Hub. This spawner's part is the other half:
   - ``restore_mode = "runtime"``: the pod's image becomes the checkpoint image, and a
     runtime that restores checkpoint images (CRI-O) brings the container back;
   - ``restore_mode = "agent"``: a placeholder pod with the same image and GPU request
-    (pinned to the same GPU product) waits with a sleeping container; the node agent on
-    the node where it landed restores the checkpoint into it (``POST /v1/restore``);
+    (pinned to the same GPU product) waits with a sleeping container; the checkpoint
+    backend restores the checkpoint into it (``restore(info, into=<the placeholder>)``:
+    the node agent on the node where it landed, ``POST /v1/restore``);
 
   then it waits until the server answers, reuses the old API token and reports progress
   (the flow of :class:`~jupyterhub_gpusnap.spawner_restore.RestoreMixin`, shared with the
@@ -54,11 +55,10 @@ from kubespawner import KubeSpawner
 from prometheus_client import Counter
 from traitlets import Enum, Float, Instance, Integer, List, Type, Unicode, default
 
-from .checkpoint.base import CheckpointBackend, CheckpointInfo
-from .kube.agent import AgentConnection
-from .kube.errors import AgentError
+from .checkpoint.base import CheckpointBackend, CheckpointError, CheckpointInfo, RestoreTarget
+from .kube.errors import AgentError  # noqa: F401  (what a failed agent restore raises)
 from .retry import Backoff
-from .spawner_restore import STATE_KEY, RestoreMixin, human_bytes
+from .spawner_restore import STATE_KEY, RestoreMixin, checkpoint_info, human_bytes
 
 #: Pod annotation marking a placeholder pod, with the checkpoint id it waits for.
 PLACEHOLDER_ANNOTATION = "gpusnap.jupyter.org/placeholder-for"
@@ -142,20 +142,10 @@ class SnapKubeSpawner(RestoreMixin, KubeSpawner):
         """,
     ).tag(config=True)
 
-    agent_connection = Instance(
-        AgentConnection,
-        help="How the spawner reaches the node agents (``c.AgentConnection``: namespace, "
-        "label, port, token), the same settings as the service's.",
-    )
-
-    @default("agent_connection")
-    def _default_agent_connection(self) -> AgentConnection:
-        return AgentConnection(parent=self, backoff=self.backoff)
-
     agent_request_timeout = Float(
         600,
         help="""Seconds the node agent may take for one restore call (pulling and unpacking
-        the checkpoint image, CRIU restore, GPU memory back). Large GPU snapshots need minutes.
+        the checkpoint image, CRIU restore, GPU memory back). Large GPU checkpoints need minutes.
         """,
     ).tag(config=True)
 
@@ -190,9 +180,11 @@ class SnapKubeSpawner(RestoreMixin, KubeSpawner):
         allow_none=True,
         help="""Where the service records verified checkpoints; consulted on stop: its newest
         verified checkpoint of this server, taken after the server started, is kept for the
-        next start. The default reads the ConfigMaps the service's KubernetesBackend writes
-        (configure it with ``c.KubeAPI`` and ``c.AgentLocator.namespace`` as for the
-        service; the hub needs ``list configmaps`` there). None: never restore.
+        next start, which restores it through this backend (``restore_mode = "agent"``: its
+        ``restore(into=<the placeholder pod>)``). The default reads the ConfigMaps the
+        service's KubernetesBackend writes and restores through the node agents (configure
+        it with ``c.KubeAPI``, ``c.AgentLocator.namespace`` and ``c.AgentConnection`` as for
+        the service; the hub needs ``list configmaps`` there). None: never restore.
         """,
     ).tag(config=True)
 
@@ -209,8 +201,8 @@ class SnapKubeSpawner(RestoreMixin, KubeSpawner):
         86400,
         help="""When ``stop()`` could not look for a checkpoint (API server or checkpoint
         backend unreachable), the next start looks again and refuses to start a fresh server
-        while the lookup still fails, so a snapshot is never passed over. After this many
-        seconds since the stop it gives up and starts fresh (any snapshot stays in the
+        while the lookup still fails, so a checkpoint is never passed over. After this many
+        seconds since the stop it gives up and starts fresh (any checkpoint stays in the
         backend, listed by ``jupyterhub-gpusnap`` for admins). Fix the backend's
         reachability (``jupyterhub-gpusnap doctor``) rather than lowering this.
         """,
@@ -416,15 +408,22 @@ class SnapKubeSpawner(RestoreMixin, KubeSpawner):
             )
         return not why
 
+    @property
+    def checkpoint_backend(self) -> CheckpointBackend | None:
+        """The backend (``checkpoint_backend_class``) this spawner finds checkpoints in and
+        restores them through, built once; None: never restore."""
+        if self._backend is None and self.checkpoint_backend_class is not None:
+            self._backend = self.checkpoint_backend_class(parent=self)
+        return self._backend
+
     async def _checkpoint_from_backend(self, run: dict | None = None) -> dict | None:
         """The backend's newest checkpoint of this server if it is of this run; raises
         :class:`CheckpointLookupError` when the backend does not answer."""
-        if self.checkpoint_backend_class is None:
+        backend = self.checkpoint_backend
+        if backend is None:
             return None
-        if self._backend is None:
-            self._backend = self.checkpoint_backend_class(parent=self)
         try:
-            info = await self._backend.latest(self.user.name, self.name)
+            info = await backend.latest(self.user.name, self.name)
         except Exception as e:
             self.log.warning("%s: checkpoint backend lookup failed: %s", self.server_key, e)
             raise CheckpointLookupError(f"checkpoint backend lookup failed: {e}") from e
@@ -492,7 +491,13 @@ class SnapKubeSpawner(RestoreMixin, KubeSpawner):
 
     async def restore_checkpoint(self, checkpoint: dict) -> str:
         """A pod for the checkpoint (:meth:`get_pod_manifest`): with ``restore_mode="agent"``
-        a placeholder the node agent restores into, else the checkpoint image itself."""
+        a placeholder the checkpoint backend restores into (:meth:`CheckpointBackend.restore`
+        with ``into=`` the placeholder), else the checkpoint image itself."""
+        backend = self.checkpoint_backend
+        if self.restore_mode == "agent" and backend is None:
+            raise CheckpointError(
+                f"checkpoint {checkpoint.get('id')}: no checkpoint_backend_class to restore it with"
+            )
         self._restoring = checkpoint
         size = int(checkpoint.get("image_bytes") or 0)
         self.log.info("%s: restore mode %s", self.server_key, self.restore_mode)
@@ -506,28 +511,21 @@ class SnapKubeSpawner(RestoreMixin, KubeSpawner):
         pod = self.pod_reflector.pods.get(f"{self.namespace}/{self.pod_name}") or {}
         node = (pod.get("spec") or {}).get("nodeName", "")
         if self.restore_mode == "agent":
-            agent = await self._agent_url(pod)
             self.emit(
                 f"Placeholder pod running on node {node}; restoring {human_bytes(size)} of memory…",
                 40,
             )
-            body = {
-                "namespace": self.namespace,
-                "pod": self.pod_name,
-                "container": "notebook",
-                "image": checkpoint["id"],
-            }
-            result = await self.agent_connection.call(
-                agent, "POST", "/v1/restore", body, timeout=self.agent_request_timeout
+            restored = await backend.restore(
+                checkpoint_info(checkpoint),
+                timeout=self.agent_request_timeout,
+                into=RestoreTarget(self.namespace, self.pod_name, "notebook"),
             )
-            if not result.get("restored"):
-                raise AgentError(f"node agent on {node} did not restore: {result}")
             self.log.info(
                 "%s: agent on node %s restored checkpoint %s (pid %s)",
                 self.server_key,
-                node,
+                restored.node,
                 checkpoint["id"],
-                result.get("pid"),
+                restored.pid,
             )
         return url
 
@@ -559,30 +557,6 @@ class SnapKubeSpawner(RestoreMixin, KubeSpawner):
 
     async def start_fresh(self) -> str:
         return await super()._start()
-
-    async def _agent_url(self, pod: dict) -> str:
-        """URL of the node agent on the node where ``pod`` runs."""
-        node = (pod.get("spec") or {}).get("nodeName", "")
-        host_ip = (pod.get("status") or {}).get("hostIP", "")
-        agents = self.agent_connection
-        try:
-            return await agents.agent_url(node, host_ip)
-        except AgentError as e:
-            if e.code == 503:
-                raise AgentError(
-                    f"no gpusnap node agent pod runs on node {node} (selector "
-                    f"{agents.agent_label_selector} in namespace {agents.agent_namespace}). "
-                    "Deploy the agent DaemonSet (helm-values/agent/) on GPU nodes",
-                    code=503,
-                ) from e
-            if e.code == 403:
-                raise AgentError(
-                    f"cannot list the node agent pods in namespace {agents.agent_namespace}: "
-                    f"{e.message}. Grant the hub 'list pods' in {agents.agent_namespace} "
-                    "(helm-values/agent/rbac-hub.yaml)",
-                    code=403,
-                ) from e
-            raise
 
     # ----- the pod --------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import fields
 from datetime import datetime, timezone
 
 from jupyterhub.utils import url_escape_path, url_path_join
@@ -25,7 +26,7 @@ from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from traitlets import Float, default
 from traitlets.config import LoggingConfigurable
 
-from .checkpoint.base import CheckpointError, CheckpointRefused
+from .checkpoint.base import CheckpointError, CheckpointInfo, CheckpointRefused
 from .model import server_key
 
 #: Key of our record inside the spawner state (see :attr:`RestoreMixin.gpusnap_state`).
@@ -40,6 +41,13 @@ def human_bytes(n: float) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     return f"{n} B"
+
+
+def checkpoint_info(checkpoint: dict) -> CheckpointInfo:
+    """The :class:`CheckpointInfo` of a checkpoint dict the spawner state keeps
+    (``CheckpointInfo.as_dict()``; keys that are no field of it, such as ``server``, left out)."""
+    names = {f.name for f in fields(CheckpointInfo)}
+    return CheckpointInfo(**{k: v for k, v in checkpoint.items() if k in names})
 
 
 class RestoreMixin(LoggingConfigurable):

@@ -60,7 +60,7 @@ async def test_agent_settings_are_set_once_for_service_spawner_and_doctor(tmp_pa
     readers = {
         "backend": KubernetesBackend(config=c).locator,
         "signal": AgentSignal(config=c).locator,
-        "spawner": spawner(c).agent_connection,
+        "spawner": spawner(c).checkpoint_backend.locator,
         "doctor": AgentConnection(parent=doctor.Doctor(config=c)),
     }
     for who, conn in readers.items():

@@ -24,6 +24,8 @@ import pytest
 from jupyterhub import orm
 from traitlets.config import Config
 
+from jupyterhub_gpusnap.checkpoint.base import Restored, RestoreTarget
+from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
 from jupyterhub_gpusnap.kube.agent import AgentConnection
 from jupyterhub_gpusnap.kubespawner import (
     PLACEHOLDER_ANNOTATION,
@@ -627,3 +629,42 @@ async def test_second_lookup_finding_nothing_starts_fresh(kube, agent, tmp_path)
     assert spawner.api_token == "fresh-token-from-hub" and spawner.will_resume is False
     assert "gpusnap" not in spawner.get_state()
     assert not [r for r in agent.requests if r[1] == "/v1/restore"]
+
+
+# ---------------------------------------------------------------- the one restore contract
+
+
+class RecordingBackend(KubernetesBackend):
+    """The Kubernetes backend, noting each restore asked of it and what it returned."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.restores: list[tuple[str, float, RestoreTarget | None]] = []
+        self.restored: list[Restored] = []
+
+    async def restore(self, info, timeout=600.0, into=None):
+        self.restores.append((info.id, timeout, into))
+        self.restored.append(await super().restore(info, timeout=timeout, into=into))
+        return self.restored[-1]
+
+
+async def test_agent_restore_is_the_backends_restore_into_the_placeholder(kube, agent):
+    """The spawner asks its checkpoint backend to restore into the placeholder pod (the
+    one restore contract); the backend's agent client makes the call."""
+    info = checkpoint()
+    spawner = make_spawner(
+        kube, agent, checkpoint_backend_class=RecordingBackend, agent_request_timeout=321
+    )
+    spawner.load_state(suspended_state(info))
+
+    url, events = await start_with_progress(spawner)
+
+    backend = spawner.checkpoint_backend
+    assert backend.restores == [
+        (info["id"], 321, RestoreTarget("jhub", "jupyter-alice", "notebook"))
+    ]
+    assert [(r.pid, r.node) for r in backend.restored] == [(4242, "gpu-h100")]
+    restores = [r for r in agent.requests if r[1] == "/v1/restore"]
+    assert [b["image"] for m, u, b in restores] == [info["id"]]
+    assert spawner.api_token == "old-token-held-by-the-processes"
+    assert events[-1]["message"] == "Server restored from its snapshot."

@@ -19,6 +19,10 @@ registry images, the manifest (when ``delete_images`` and the credentials allow)
 The container keeps running after a kubelet checkpoint: the service stops the
 server through the Hub once :meth:`checkpoint` returns, which deletes the pod and
 frees the GPU.
+
+How a checkpoint is restored: ``SnapKubeSpawner`` starts a placeholder pod and calls
+:meth:`restore` with it as ``into``; the agent on the placeholder's node restores the
+checkpoint into its container (``POST /v1/restore``).
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ class KubernetesBackend(CheckpointBackend):
 
     pvc_path = Unicode(
         "/snapshots",
-        help="For target='pvc': the folder where the snapshot PVC is mounted in the agent pods.",
+        help="For target='pvc': the folder where the checkpoint PVC is mounted in the agent pods.",
     ).tag(config=True)
 
     timeout = Integer(
@@ -316,14 +320,20 @@ class KubernetesBackend(CheckpointBackend):
     async def restore(
         self, info: CheckpointInfo, timeout: float = 600.0, into: RestoreTarget | None = None
     ) -> Restored:
-        """Ask the agent on the node of ``into`` (the placeholder pod) to restore ``info``
-        into it; the restored tree's root pid on that node, and the agent's answer."""
+        """Ask the agent on the node of ``into`` (the placeholder pod, running) to restore
+        ``info`` into it, within ``timeout`` seconds; the restored tree's root pid on that
+        node, and the agent's answer.
+
+        Raises :class:`AgentError` with what an admin must do: no agent on that node, the
+        agent pods not listable, the agent's own error and fix, or an answer that is not
+        a restore.
+        """
         if into is None:
             raise CheckpointError(
                 f"{info.key}: a Kubernetes restore needs the pod to restore into (into=)"
             )
-        node = await self.locator.node_of(into.namespace, into.pod)
-        base = await self.locator.agent_url(node)
+        node, host_ip = await self.locator.placement_of(into.namespace, into.pod)
+        base = await self._agent_to_restore(node, host_ip)
         result = await self.locator.call(
             base,
             "POST",
@@ -336,7 +346,31 @@ class KubernetesBackend(CheckpointBackend):
             },
             timeout=timeout,
         )
-        return Restored(pid=int(result["pid"]), node=node, detail=result)
+        if not result.get("restored"):
+            raise AgentError(f"node agent on {node} did not restore: {result}")
+        return Restored(pid=int(result.get("pid") or 0), node=node, detail=result)
+
+    async def _agent_to_restore(self, node: str, host_ip: str) -> str:
+        """URL of the agent on ``node``; when none can be found, what to deploy or grant."""
+        locator = self.locator
+        try:
+            return await locator.agent_url(node, host_ip)
+        except AgentError as e:
+            if e.code == 503:
+                raise AgentError(
+                    f"no gpusnap node agent pod runs on node {node} (selector "
+                    f"{locator.agent_label_selector} in namespace {locator.agent_namespace}). "
+                    "Deploy the agent DaemonSet (helm-values/agent/) on GPU nodes",
+                    code=503,
+                ) from e
+            if e.code == 403:
+                raise AgentError(
+                    f"cannot list the node agent pods in namespace {locator.agent_namespace}: "
+                    f"{e.message}. Grant the hub 'list pods' in {locator.agent_namespace} "
+                    "(helm-values/agent/rbac-hub.yaml)",
+                    code=403,
+                ) from e
+            raise
 
     # -- records ---------------------------------------------------------------------------
 

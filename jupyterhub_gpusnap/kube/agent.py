@@ -2,8 +2,9 @@
 
 :class:`AgentConnection` holds the agent settings once (``c.AgentConnection.…``: namespace
 and label of the agent pods, port, scheme, token) and calls an agent's JSON API; the
-spawner, the doctor and the service's :class:`AgentLocator` (which also finds a server's
-pod) all read them. An agent's ``{"error", "fix"}`` answer becomes an :class:`AgentError`.
+doctor reads them directly, the service and the spawner through :class:`AgentLocator`
+(which also finds a server's pod), the Kubernetes checkpoint backend's. An agent's
+``{"error", "fix"}`` answer becomes an :class:`AgentError`.
 """
 
 from __future__ import annotations
@@ -56,8 +57,8 @@ def agent_failure_is_transient(method: str, code: int, agent_said: bool) -> bool
 class AgentConnection(LoggingConfigurable):
     """How the hub side reaches the gpusnap node agents, and the one client that calls them.
 
-    Set once as ``c.AgentConnection.…``; the service (:class:`AgentLocator`), the spawner
-    (``SnapKubeSpawner``) and ``jupyterhub-gpusnap doctor`` read the same settings.
+    Set once as ``c.AgentConnection.…``; the service and the spawner (``SnapKubeSpawner``)
+    through :class:`AgentLocator`, and ``jupyterhub-gpusnap doctor``, read the same settings.
     """
 
     agent_namespace = Unicode(
@@ -267,8 +268,9 @@ class AgentConnection(LoggingConfigurable):
 class AgentLocator(AgentConnection):
     """Finds a server's pod and the node agent beside it, and calls the agent's API.
 
-    The service's side (:class:`~jupyterhub_gpusnap.checkpoint.kubernetes.KubernetesBackend`
-    and the ``agent`` signal); the agent settings are :class:`AgentConnection`'s.
+    The hub side's (:class:`~jupyterhub_gpusnap.checkpoint.kubernetes.KubernetesBackend`,
+    whose checkpoints the service takes and the spawner restores, and the ``agent``
+    signal); the agent settings are :class:`AgentConnection`'s.
     """
 
     namespace = Unicode(
@@ -305,10 +307,16 @@ class AgentLocator(AgentConnection):
         return namespace, name
 
     async def node_of(self, namespace: str, pod: str) -> str:
+        """The node ``namespace/pod`` runs on."""
+        return (await self.placement_of(namespace, pod))[0]
+
+    async def placement_of(self, namespace: str, pod: str) -> tuple[str, str]:
+        """(node, host IP) of ``namespace/pod``, as its status says (the host IP ``""``
+        while unknown); an :class:`AgentError` (409) while it is not scheduled."""
         obj = await self.api.get_pod(namespace, pod)
         node = (obj.get("spec") or {}).get("nodeName")
         if not node:
             raise AgentError(
                 f"pod {namespace}/{pod} is not scheduled on a node", "wait until it runs", 409
             )
-        return node
+        return node, (obj.get("status") or {}).get("hostIP", "")
