@@ -70,7 +70,8 @@ Transitions made by :func:`transition` on everything else that happens to a serv
     exempt_lifted      exempt                      active                  state
                        any other                   unchanged               -
 
-``state`` records a ``state`` event (from, to, reason) when the state changes. An admin's
+``state`` records a ``state`` event (from, to, reason) when the state changes; a tick's
+state change is recorded the same way (:func:`tick_effects`). An admin's
 exemption is the ``exempt`` flag of the status and the ``exempt`` state while the server
 runs: it outlives a "suspend now" and the restore after it.
 """
@@ -445,6 +446,15 @@ def step(
     new = object.__new__(ServerStatus)
     new.__dict__.update(status.__dict__, **changes)
     return new, d
+
+
+def tick_effects(was: State, decision: Decision) -> list[Effect]:
+    """The effects of a tick for the watcher to carry out, in order: the state change
+    :func:`step` made (from ``was``), recorded as :func:`transition` records one, then the
+    decision's action."""
+    if decision.state == was:
+        return decision.effects
+    return [_state_record(was, decision.state, decision.reason), *decision.effects]
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,17 @@ from .checkpoint.base import CheckpointBackend, CheckpointError, CheckpointRefus
 from .checkpoint.lazy import UNFINISHED
 from .hub import HubClient, HubError
 from .model import Sample, Server, State
-from .policy import Decision, Effect, Event, Policy, ServerStatus, clamp_keep, step, transition
+from .policy import (
+    Decision,
+    Effect,
+    Event,
+    Policy,
+    ServerStatus,
+    clamp_keep,
+    step,
+    tick_effects,
+    transition,
+)
 from .room import Room
 from .signals.base import SignalSource
 from .signals.interaction import InteractionLog
@@ -286,13 +296,11 @@ class Watcher(LoggingConfigurable):
             new, decision = step(status, sample, rule, now)
             self.decisions[key] = decision
             self._export(key, sample, decision)
-            if new.state != status.state:
-                self.log.info("%s: %s -> %s (%s)", key, status.state, new.state, decision.reason)
-                self.store.add_event(key, "state", {"from": str(status.state), "to": str(new.state), "reason": decision.reason})
+            effects = tick_effects(status.state, decision)
+            if effects:  # its state change (held with the tick's rows) and its action
+                actions.extend(self._execute(new, status.state, effects, server, decision, batch=True)[1])
             self._merge_keep(new, now)
             self.store.put(new)
-            if decision.action:
-                actions.extend(self._execute(new, status.state, decision.effects, server, decision)[1])
         if actions:
             await asyncio.gather(*actions)
         self._start_due()
@@ -596,11 +604,13 @@ class Watcher(LoggingConfigurable):
         return ids
 
     def _execute(self, status: ServerStatus, was: State, effects: list[Effect], server: Server | None = None,
-                 decision: Decision | None = None) -> tuple[dict[str, int], list[Coroutine]]:  # fmt: skip
+                 decision: Decision | None = None, batch: bool = False) -> tuple[dict[str, int], list[Coroutine]]:  # fmt: skip
         """The one executor: carry out the policy's effects for ``status`` (whose state was
         ``was``), in order. Returns the ids of the events recorded, by kind, and what is left
         to await (a warning's email, a park or unpark); suspensions start once the tick has
-        seen every server, the longest idle first (:meth:`_start_due`)."""
+        seen every server, the longest idle first (:meth:`_start_due`). With ``batch`` (a
+        tick's effects) an event is held and written with the tick's rows, one write per
+        tick, and has no id."""
         ids: dict[str, int] = {}
         pending: list[Coroutine] = []
         for effect in effects:
@@ -608,7 +618,10 @@ class Watcher(LoggingConfigurable):
             if action == "record":
                 if effect.kind == "state":
                     self.log.info("%s: %s -> %s (%s)", status.key, was, status.state, effect.detail["reason"])
-                ids[effect.kind] = self.store.record_event(status.key, effect.kind, effect.detail)
+                if batch:
+                    self.store.add_event(status.key, effect.kind, effect.detail)
+                else:
+                    ids[effect.kind] = self.store.record_event(status.key, effect.kind, effect.detail)
             elif action == "forget":
                 self._forget(status.key)
             elif action == "warn":

@@ -15,7 +15,17 @@ from pathlib import Path
 import pytest
 
 from jupyterhub_gpusnap.model import Sample, State
-from jupyterhub_gpusnap.policy import EVENTS, Effect, Event, Rule, ServerStatus, decide, transition
+from jupyterhub_gpusnap.policy import (
+    EVENTS,
+    Effect,
+    Event,
+    Rule,
+    ServerStatus,
+    decide,
+    step,
+    tick_effects,
+    transition,
+)
 from jupyterhub_gpusnap.store import Store
 
 T0 = 1_800_000_000.0
@@ -263,3 +273,18 @@ def test_a_ticks_decision_is_its_effects():
     assert (warned.state, warned.effects) == (W, [Effect("warn")])
     quiet = decide(status(ID, last_active=T0), _quiet(T0 + 100), Rule(min_running=0), T0 + 100)
     assert (quiet.state, quiet.effects) == (ID, [])
+
+
+def test_a_ticks_state_change_is_an_effect_as_a_transitions_is():
+    """What a tick changes is recorded as transition records it: a ``state`` record from the
+    old state first, then the decision's action; no record when the state stays."""
+    rule = Rule(min_running=0)
+    was = status(ID, last_active=T0)
+    new, warned = step(was, _quiet(T0 + 2700), rule, T0 + 2700)
+    assert new.state == W
+    assert tick_effects(was.state, warned) == [moved(ID, W, warned.reason), Effect("warn")]
+    _, quiet = step(was, _quiet(T0 + 100), rule, T0 + 100)
+    assert quiet.state == ID and tick_effects(ID, quiet) == []
+    busy = Sample(time=T0 + 100, kernels=1, kernels_busy=1, cpu_percent=0.0, gpu_percent=0.0)
+    _, active = step(status(ID), busy, rule, T0 + 100)
+    assert tick_effects(ID, active) == [moved(ID, A, active.reason)]

@@ -154,3 +154,44 @@ async def test_a_suspended_server_is_not_running_before_the_next_tick_says_so(tm
                              state_since=T, last_active=T, started=T, checkpoint_id="c1")  # fmt: skip
     model = service.model(suspended)
     assert model["running"] is False and model["url"] is None, model
+
+
+async def test_a_ticks_state_change_goes_through_the_executor_held_with_the_ticks_rows(tmp_path):
+    """A tick's own state change is an effect the executor carries out, as an event's is: the
+    policy's ``state`` record, written with the tick's rows (one write per tick), not at once."""
+    clock = [T]
+    alice = Server(
+        user="alice", started=datetime.fromtimestamp(T - 3200, timezone.utc), state={"pid": 1}
+    )
+    store = Store(f"sqlite:///{tmp_path}/gpusnap.sqlite")
+    policy = Policy([], Rule(idle_window=3600, warn_before=600, min_running=0))
+    watcher = Watcher(hub=Hub([alice]), store=store, policy=policy, sources=[QuietGpu()], backend=None,
+                      clock=lambda: clock[0], log=log)  # fmt: skip
+    executed, at_once = [], []
+    execute, record_event = watcher._execute, store.record_event
+
+    def spy_execute(status, was, effects, *args, **kw):
+        executed.append((was, [(e.action, e.kind) for e in effects], kw.get("batch", False)))
+        return execute(status, was, effects, *args, **kw)
+
+    def spy_record_event(key, kind, *args, **kw):
+        at_once.append(kind)
+        return record_event(key, kind, *args, **kw)
+
+    async def warn(status, decision):
+        pass
+
+    watcher._execute, store.record_event, watcher._warn = spy_execute, spy_record_event, warn
+
+    await watcher.tick()  # new: active; idle 3200 s >= idle_window - warn_before: warned
+    assert store.get("alice/").state == State.warned
+    assert executed == [(State.active, [("record", "state"), ("warn", "")], True)]
+    assert at_once == []  # held with the tick's rows
+    [moved] = [e["detail"] for e in store.events("alice/") if e["kind"] == "state"]
+    assert (moved["from"], moved["to"]) == ("active", "warned")
+
+    clock[0] = T + 60  # still warned: nothing to record or do
+    await watcher.tick()
+    assert len(executed) == 1 and at_once == []
+    assert [e["kind"] for e in store.events("alice/")].count("state") == 1
+    store.close()
