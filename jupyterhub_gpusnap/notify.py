@@ -606,7 +606,7 @@ class Notifier(LoggingConfigurable):
 
     send_restored = Bool(
         False,
-        help="""Also email users when their server was restored from its snapshot (off by
+        help="""Also email users when their server was restored from its checkpoint (off by
         default: they are usually looking at it).""",
     ).tag(config=True)
 
@@ -1012,11 +1012,11 @@ class ServiceNotifier(Notifier):
         None,
         allow_none=True,
         min=0,
-        help="""How many days a snapshot is kept, as the emails tell users. None (the
+        help="""How many days a checkpoint is kept, as the emails tell users. None (the
         default): the checkpoint backend's own retention, read from it
         (LocalBackend.max_age_days), so the emails quote what retention really does; with
         a backend that deletes nothing by age (KubernetesBackend) the emails quote no number.
-        Set it only where something outside the service deletes snapshots, e.g. a
+        Set it only where something outside the service deletes checkpoints, e.g. a
         registry's own cleanup after 30 days.""",
     ).tag(config=True)
 
