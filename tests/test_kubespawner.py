@@ -668,3 +668,28 @@ async def test_agent_restore_is_the_backends_restore_into_the_placeholder(kube, 
     assert [b["image"] for m, u, b in restores] == [info["id"]]
     assert spawner.api_token == "old-token-held-by-the-processes"
     assert events[-1]["message"] == "Server restored from its snapshot."
+
+
+async def test_an_answer_that_is_no_restore_falls_back_naming_the_node(kube, agent):
+    """An agent that answers without ``restored``: the restore failed on that node."""
+    import tornado.web
+    from tornado.httpserver import HTTPServer
+    from tornado.testing import bind_unused_port
+
+    class NotRestored(tornado.web.RequestHandler):
+        def post(self):
+            self.finish({"restored": False})
+
+    sock, port = bind_unused_port()
+    server = HTTPServer(tornado.web.Application([(r"/v1/restore", NotRestored)]))
+    server.add_sockets([sock])
+    try:
+        spawner = make_spawner(kube, agent, agent_port=port)
+        spawner.load_state(suspended_state(checkpoint()))
+        url, events = await start_with_progress(spawner)
+    finally:
+        server.stop()
+    messages = " ".join(e["message"] for e in events)
+    assert "node agent on gpu-h100 did not restore: {'restored': False}" in messages
+    assert spawner.api_token == "fresh-token-from-hub"
+    assert [container(p).get("command") for p in kube.created] == [["sleep", "infinity"], None]
