@@ -12,8 +12,9 @@ The names are those of the email's retries (``Mailer.retries``, ``retry_backoff`
 ``retry_backoff_max``). Each client has its own Backoff (``parent`` = the client), so the settings apply to all
 (``c.Backoff.retries``) or to one client: ``c.RegistryClient.Backoff…`` (registry pushes and
 pulls, in the agent), ``c.KubeAPI.Backoff…`` (the agent's API-server calls),
-``c.AgentLocator.Backoff…`` (the service's API-server and agent calls),
-``c.SnapKubeSpawner.Backoff…`` (the spawner's).
+``c.AgentLocator.Backoff…`` (the API-server and agent calls of the service, and of the
+spawner's checkpoint lookups and restore), ``c.SnapKubeSpawner.Backoff…`` (the spawner's own
+API-server calls).
 """
 
 from __future__ import annotations

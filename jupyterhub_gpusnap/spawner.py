@@ -33,7 +33,6 @@ import shlex
 import shutil
 import sys
 import time
-from dataclasses import fields
 from datetime import datetime, timezone
 from subprocess import Popen
 
@@ -43,23 +42,17 @@ from jupyterhub.utils import random_port
 from traitlets import Bool, Float, Instance, Type, Unicode, default
 
 from . import sandbox
-from .checkpoint.base import CheckpointBackend, CheckpointInfo, CheckpointRefused
+from .checkpoint.base import CheckpointBackend, CheckpointRefused
 from .checkpoint.local import LocalBackend
 from .checkpoint.local_layout import encode_name
 from .procs import is_alive
-from .spawner_restore import RestoreMixin, human_bytes
+from .spawner_restore import RestoreMixin, checkpoint_info, human_bytes
 
 
 async def super_maybe(result):
     """Await what a base class returned if it is awaitable (Spawner.delete_forever may be either)."""
     if hasattr(result, "__await__"):
         await result
-
-
-def _info(checkpoint: dict) -> CheckpointInfo:
-    """The :class:`CheckpointInfo` of a checkpoint dict (``CheckpointInfo.as_dict()``)."""
-    names = {f.name for f in fields(CheckpointInfo)}
-    return CheckpointInfo(**{k: v for k, v in checkpoint.items() if k in names})
 
 
 class SnapSpawnerMixin(RestoreMixin):
@@ -309,7 +302,7 @@ class SnapSpawnerMixin(RestoreMixin):
         return token
 
     async def restore_checkpoint(self, checkpoint: dict) -> str:
-        info = _info(checkpoint)
+        info = checkpoint_info(checkpoint)
         if info.gpu_bytes:
             self.emit(f"restoring GPU memory ({human_bytes(info.gpu_bytes)})…", 40)
         restore = self.backend.restore(info, timeout=self.restore_timeout)
