@@ -3,6 +3,8 @@ undoes, crash recovery with the same hooks, and retention's rule (no CRIU needed
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from jupyterhub_gpusnap.checkpoint.base import (
@@ -132,6 +134,39 @@ async def test_the_error_do_resume_returns_is_raised_as_is():
     with pytest.raises(CheckpointError) as e:
         await b.checkpoint(SERVER)
     assert e.value is boom and e.value.__cause__ is None
+
+
+async def test_what_a_backend_needs_besides_the_server_reaches_its_preflight():
+    """The node agent's suspension needs the pod, its container and the store: checkpoint()
+    hands them to do_preflight as they are."""
+
+    class Node(Scripted):
+        async def do_preflight(self, server, *, pod, store):
+            self.calls.append(f"preflight {pod} {store}")
+            return Suspension(server, id="cp-1")
+
+    b = Node()
+    info = await b.checkpoint(SERVER, pod="jhub/jupyter-alice", store="registry")
+    assert info.id == "cp-1"
+    assert b.calls[0] == "preflight jhub/jupyter-alice registry" and b.calls[-1] == "end:end"
+
+
+@pytest.mark.parametrize("undo_on, undone", [((Exception,), False), ((BaseException,), True)])
+async def test_a_cancelled_suspension_is_undone_where_the_backend_asks(undo_on, undone):
+    """A backend whose suspension must never stay half-done (the node agent: a pod's GPU
+    memory frozen) undoes a cancelled one too; the cancellation goes on as it was."""
+
+    class Cancelled(Scripted):
+        async def do_resume(self, s, error):
+            self.calls.append(f"resume:{s.phase}")
+            return error
+
+    b = Cancelled(fail={"dump": asyncio.CancelledError()})
+    b.undo_on = undo_on
+    with pytest.raises(asyncio.CancelledError):
+        await b.checkpoint(SERVER)
+    assert (b.calls[-1] == "resume:dump") is undone
+    assert not any(c.startswith("end") for c in b.calls)
 
 
 async def test_recover_completes_a_finished_dump_and_undoes_the_rest():

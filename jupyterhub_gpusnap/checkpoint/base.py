@@ -205,6 +205,11 @@ class CheckpointBackend(LoggingConfigurable):
     #: on (Kubernetes: from every node's agent). False: the caller reads this host's GPUs.
     supports_gpu_memory: bool = False
 
+    #: What :meth:`checkpoint` undoes with :meth:`do_resume`: any error. A backend whose
+    #: suspension must be undone even when its caller is cancelled (the node agent: a pod's
+    #: GPU memory never stays frozen while the agent runs) sets ``(BaseException,)``.
+    undo_on: tuple[type[BaseException], ...] = (Exception,)
+
     # ------------------------------------------------------------------ life cycle
     async def setup(self) -> None:
         """Check prerequisites once at start-up (log what is missing) and resolve what a
@@ -257,7 +262,7 @@ class CheckpointBackend(LoggingConfigurable):
         call this only to ask, not before every :meth:`checkpoint`.
         """
 
-    async def checkpoint(self, server: Server) -> CheckpointInfo:
+    async def checkpoint(self, server: Server, **request) -> CheckpointInfo:
         """Checkpoint ``server`` (GPU memory, then the process tree), verify it, and return it.
 
         The protocol, the same for every backend; each step is a hook:
@@ -278,6 +283,10 @@ class CheckpointBackend(LoggingConfigurable):
         ----------
         server : Server
             The running server (its pid for local servers, its pod for Kubernetes).
+        **request
+            What a backend's suspension needs besides the server, passed on to
+            :meth:`do_preflight` (the node agent: the pod, its container, the kubelet's
+            timeout, the store). The service's backends take none.
 
         Returns
         -------
@@ -292,7 +301,7 @@ class CheckpointBackend(LoggingConfigurable):
         CheckpointError
             Any other failure; the server keeps running.
         """
-        s = await self.do_preflight(server)
+        s = await self.do_preflight(server, **request)
         try:
             for phase, step in (
                 ("freeze", self.do_freeze),
@@ -303,7 +312,7 @@ class CheckpointBackend(LoggingConfigurable):
                 await step(s)
             s.phase = "record"
             info = await self.do_record(s)
-        except Exception as e:
+        except self.undo_on as e:
             if isinstance(e, CheckpointRefused) and s.phase == "freeze":
                 raise  # rolled back by the driver: nothing to resume
             failure = await self.do_resume(s, e)
@@ -316,9 +325,10 @@ class CheckpointBackend(LoggingConfigurable):
 
     # The hooks of checkpoint(). A backend that runs the whole suspension elsewhere (an
     # agent) does it in do_dump and leaves the others as they are.
-    async def do_preflight(self, server: Server) -> Suspension:
+    async def do_preflight(self, server: Server, **request) -> Suspension:
         """Check everything that can be checked before anything changes; the
-        :class:`Suspension` the other hooks get. Raises :class:`CheckpointRefused`."""
+        :class:`Suspension` the other hooks get (with what ``request`` holds). Raises
+        :class:`CheckpointRefused`."""
         raise NotImplementedError
 
     async def do_freeze(self, s: Suspension) -> None:
