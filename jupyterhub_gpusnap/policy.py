@@ -524,7 +524,7 @@ def transition(status: ServerStatus, event: Event) -> tuple[ServerStatus, list[E
         return _replaced(status, changes), effects
     elif kind == "restore_unfinished":
         # a lazy restore handed the server out, then could not bring all of it back (a
-        # damaged page, its GPU memory): the server was stopped; its snapshot is kept
+        # damaged page, its GPU memory): the server was stopped; its checkpoint is kept
         return status, [Effect("record", "restore_failed", dict(detail)), Effect("forget")]
     elif kind == "interrupted":
         record = Effect("record", "suspend_interrupted", {"error": detail.get("error", "")})

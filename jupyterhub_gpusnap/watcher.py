@@ -440,7 +440,7 @@ class Watcher(LoggingConfigurable):
     async def _restore_unfinished(self, status: ServerStatus, now: float) -> bool:
         """A restored server that is gone because its restore could not be finished after it
         ran (a lazy restore: a damaged page, or its GPU memory; the backend stopped it and
-        failed its snapshot): recorded, counted and told as the failed restore it is, not as
+        failed its checkpoint): recorded, counted and told as the failed restore it is, not as
         a stop. False for any other server gone."""
         if not (status.restored_at and status.checkpoint_id and self.backend is not None):
             return False
