@@ -19,7 +19,7 @@ import pytest
 from traitlets import TraitError
 
 from jupyterhub_gpusnap.agent.app import AgentApp
-from jupyterhub_gpusnap.agent.ship import Shipper
+from jupyterhub_gpusnap.agent.ship import PvcStore, Shipper
 from jupyterhub_gpusnap.checkpoint import criu as criu_tools
 from jupyterhub_gpusnap.checkpoint.base import CheckpointError
 from jupyterhub_gpusnap.kubespawner import PLACEHOLDER_ANNOTATION
@@ -70,7 +70,9 @@ async def test_restore_joins_the_placeholders_namespaces_and_cgroup(tmp_path):
         archive = cluster.kube.checkpoints / os.path.basename(path)
         pvc = tmp_path / "pvc"
         pvc.mkdir()
-        shipped = await Shipper().to_pvc(archive, pvc, "alice/", 0, time.time())
+        shipped = await PvcStore(Shipper(), pvc).ship(
+            archive, server="alice/", container="", gpu_bytes=0, created=time.time()
+        )
 
         # the server's pod is deleted; the placeholder takes its place (another pod)
         work.stop()
@@ -147,8 +149,12 @@ async def test_a_containers_checkpoint_is_not_restored_outside_a_container(tmp_p
         path = await cluster.kube.kubelet_checkpoint("jhub", "jupyter-alice", "notebook")
         pvc = tmp_path / "pvc"
         pvc.mkdir()
-        shipped = await Shipper().to_pvc(
-            cluster.kube.checkpoints / os.path.basename(path), pvc, "alice/", 0, time.time()
+        shipped = await PvcStore(Shipper(), pvc).ship(
+            cluster.kube.checkpoints / os.path.basename(path),
+            server="alice/",
+            container="",
+            gpu_bytes=0,
+            created=time.time(),
         )
         work.stop()
         code, body = await cluster.restore_into(shipped.id)

@@ -848,7 +848,7 @@ async def test_agent_restarted_after_dying_mid_checkpoint_gives_the_gpu_memory_b
         # the state a crash mid-upload leaves: GPU memory frozen, its record, the archive
         await agent.cuda.suspend([work.pid])
         assert libcuda.states[work.pid] == CHECKPOINTED
-        agent._mark_in_progress("jhub", "jupyter-alice", "notebook", [work.pid])
+        agent.backend.mark_in_progress("jhub", "jupyter-alice", "notebook", [work.pid])
         archive = (
             cluster.kube.checkpoints
             / "checkpoint-jupyter-alice_jhub-notebook-2026-11-23T01:00:00Z.tar"

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from jupyterhub_gpusnap.agent.ship import Shipper
+from jupyterhub_gpusnap.agent.ship import PvcStore, RegistryStore, Shipper
 from jupyterhub_gpusnap.checkpoint import oci
 from jupyterhub_gpusnap.gpu.compat import GpuNeeds
 from tests.helpers.fake_kube import Cluster, Workload, cgroup2_mount, tar_bytes
@@ -117,8 +117,8 @@ async def test_archive_pushed_pulled_by_digest_and_restored_by_the_agent(tmp_pat
         archive = await kubelet_archive(cluster, work)
         size = os.path.getsize(archive)
         shipper = Shipper(registry_scheme="http", chunk_size=1 << 20)  # several PATCH chunks
-        shipped = await shipper.to_registry(
-            Path(archive), f"{registry.host}/gpusnap/alice", "notebook", "alice/", 0, time.time()
+        shipped = await RegistryStore(shipper, f"{registry.host}/gpusnap/alice").ship(
+            Path(archive), server="alice/", container="notebook", gpu_bytes=0, created=time.time()
         )
         assert shipped.id == f"{registry.host}/gpusnap/alice@{shipped.digest}"
         layer_digest, layer_size = oci.sha256_file(archive)
@@ -161,8 +161,9 @@ async def test_restore_refuses_an_image_that_is_not_a_checkpoint(tmp_path, regis
     try:
         not_checkpoint = tmp_path / "plain.tar"
         not_checkpoint.write_bytes(tar_bytes({"etc/motd": b"hello\n"}))
-        shipped = await Shipper(registry_scheme="http").to_registry(
-            not_checkpoint, f"{registry.host}/gpusnap/alice", "notebook", "alice/", 0, time.time()
+        store = RegistryStore(Shipper(registry_scheme="http"), f"{registry.host}/gpusnap/alice")
+        shipped = await store.ship(
+            not_checkpoint, server="alice/", container="notebook", gpu_bytes=0, created=time.time()
         )
         code, body = await cluster.restore_into(shipped.id)
         assert code == 422 and "checkpoint/inventory.img" in body["error"]
@@ -186,15 +187,20 @@ async def test_gpu_image_is_refused_from_its_annotations_before_its_layer_is_pul
         needs = GpuNeeds(
             holds_gpu=True, model="NVIDIA H100 80GB HBM3", devices=[0], driver_version="580.1"
         )
-        shipper = Shipper(registry_scheme="http")
-        shipped = await shipper.to_registry(
-            archive, f"{registry.host}/gpusnap/alice", "notebook", "alice/", 1 << 30, 0.0, gpu=needs
+        store = RegistryStore(Shipper(registry_scheme="http"), f"{registry.host}/gpusnap/alice")
+        shipped = await store.ship(
+            archive,
+            server="alice/",
+            container="notebook",
+            gpu_bytes=1 << 30,
+            created=0.0,
+            gpu=needs,
         )
         client = oci.RegistryClient(registry.host, scheme="http")
         manifest = await oci.verify_image(client, "gpusnap/alice", shipped.digest)
         assert manifest["annotations"]["org.jupyterhub.gpusnap.gpu-model"] == needs.model
         assert manifest["annotations"]["org.jupyterhub.gpusnap.driver-version"] == "580.1"
-        assert await shipper.gpu_needs(shipped.id) == needs
+        assert await store.gpu_needs(shipped.id) == needs
 
         code, body = await cluster.agent_call(
             "POST",
@@ -269,11 +275,11 @@ async def test_pvc_copy_is_verified_and_fetched_back(tmp_path):
     archive.write_bytes(tar_bytes({"checkpoint/inventory.img": b"\x01" * 64, "config.dump": b"{}"}))
     pvc = tmp_path / "pvc"
     pvc.mkdir()
-    shipper = Shipper(chunk_size=16)
-    shipped = await shipper.to_pvc(archive, pvc, "alice/", 0, 0.0)
+    store = PvcStore(Shipper(chunk_size=16), pvc)
+    shipped = await store.ship(archive, server="alice/", container="", gpu_bytes=0, created=0.0)
     assert shipped.id == str(pvc / "alice-19700101T000000Z.tar")
     assert shipped.digest == oci.sha256_file(archive)[0]
-    images = await shipper.fetch(shipped.id, tmp_path / "unpacked")
+    images = await store.fetch(shipped.id, tmp_path / "unpacked")
     assert (images / "inventory.img").read_bytes() == b"\x01" * 64
 
     with open(shipped.id, "r+b") as f:  # the PVC copy changes behind our back
@@ -282,7 +288,31 @@ async def test_pvc_copy_is_verified_and_fetched_back(tmp_path):
     from jupyterhub_gpusnap.kube import AgentError
 
     with pytest.raises(AgentError, match="corrupt"):
-        await shipper.fetch(shipped.id, tmp_path / "again")
+        await store.fetch(shipped.id, tmp_path / "again")
+
+
+def test_the_store_is_chosen_once_from_the_target_or_the_image(tmp_path):
+    """A checkpoint's target names its store, refused before anything is frozen; a
+    restore's image names the store that holds it."""
+    from jupyterhub_gpusnap.kube import AgentError
+
+    shipper = Shipper()
+    registry = shipper.for_target({"kind": "registry", "repository": "r.example/u"}, [])
+    assert isinstance(registry, RegistryStore) and registry.repository == "r.example/u"
+    pvc = shipper.for_target({"kind": "pvc", "path": str(tmp_path)}, [str(tmp_path)])
+    assert isinstance(pvc, PvcStore) and pvc.folder == tmp_path
+    with pytest.raises(AgentError, match="target.kind must be 'registry' or 'pvc'") as e:
+        shipper.for_target({"kind": "s3"}, [str(tmp_path)])
+    assert e.value.code == 400
+    with pytest.raises(AgentError, match="checkpoints to a PVC are off") as e:
+        shipper.for_target({"kind": "pvc", "path": str(tmp_path)}, [])
+    assert e.value.code == 403
+    with pytest.raises(AgentError, match="is not one of AgentApp.pvc_paths") as e:
+        shipper.for_target({"kind": "pvc", "path": "/etc"}, [str(tmp_path)])
+    assert e.value.code == 403
+
+    assert isinstance(shipper.for_image(str(tmp_path / "alice.tar")), PvcStore)
+    assert isinstance(shipper.for_image("r.example/u@sha256:" + "0" * 64), RegistryStore)
 
 
 async def test_tar_with_escaping_paths_is_refused(tmp_path):

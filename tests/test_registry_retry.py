@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from traitlets.config import Config
 
-from jupyterhub_gpusnap.agent.ship import Shipper
+from jupyterhub_gpusnap.agent.ship import RegistryStore, Shipper
 from jupyterhub_gpusnap.checkpoint import oci
 from jupyterhub_gpusnap.kube.errors import AgentError
 from tests.helpers.fault_proxy import Fault, FaultProxy
@@ -59,7 +59,9 @@ def archive_file(tmp_path: Path, size: int = 5 * CHUNK + 12345) -> Path:
     return path
 
 
-async def push(proxy: FaultProxy, archive: Path, config: Config) -> tuple[oci.RegistryClient, oci.PushedImage]:
+async def push(
+    proxy: FaultProxy, archive: Path, config: Config
+) -> tuple[oci.RegistryClient, oci.PushedImage]:
     client = oci.RegistryClient(proxy.host, scheme="http", chunk_size=CHUNK, config=config)
     pushed = await oci.push_archive(
         client, f"{proxy.host}/gpusnap/alice", archive, {}, "t1", time.time()
@@ -141,10 +143,11 @@ async def test_a_push_failing_every_time_gives_up_and_leaves_the_archive(tmp_pat
     before = archive.read_bytes()
     proxy.faults = [Fault("PATCH", UPLOADS, nth=2, times=0)]  # from the second chunk on
     shipper = Shipper(registry_scheme="http", chunk_size=CHUNK, config=quick(retries=3))
+    store = RegistryStore(shipper, f"{proxy.host}/gpusnap/alice")
 
     with pytest.raises(AgentError) as raised:
-        await shipper.to_registry(
-            archive, f"{proxy.host}/gpusnap/alice", "notebook", "alice/", 0, time.time()
+        await store.ship(
+            archive, server="alice/", container="notebook", gpu_bytes=0, created=time.time()
         )
 
     err = raised.value
@@ -163,8 +166,8 @@ async def test_a_push_failing_every_time_gives_up_and_leaves_the_archive(tmp_pat
     # a 4xx is the registry's answer, not a moment's failure: not tried again
     proxy.faults = [Fault("PATCH", UPLOADS, nth=1, times=0, status=403)]
     with pytest.raises(AgentError, match="403") as raised:
-        await shipper.to_registry(
-            archive, f"{proxy.host}/gpusnap/alice", "notebook", "alice/", 0, time.time()
+        await store.ship(
+            archive, server="alice/", container="notebook", gpu_bytes=0, created=time.time()
         )
     assert "tries" not in raised.value.message
     assert proxy.faults[0].hits == 1 and proxy.count("GET", UPLOADS) == 3

@@ -30,7 +30,6 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
-import json
 import os
 import re
 import tarfile
@@ -67,6 +66,7 @@ from ..gpu.park import unpark as unpark_pids
 from ..gpu.view import agent_payload, read_devices
 from ..kube.api import KubeAPI
 from ..kube.errors import AgentError
+from ..model import Server
 from .container_archive import ContainerArchive, apply_rootfs_diff
 from .errors import need
 from .handlers import (
@@ -79,14 +79,14 @@ from .handlers import (
     SignalsHandler,
     UnparkHandler,
 )
-from .interrupted import InterruptedCheckpoints
 from .kept import KeptArchives
 from .kubelet import KubeletClient
+from .node_backend import NodeBackend
 from .placeholder import JOINABLE_NAMESPACES, PLACEHOLDER_ANNOTATION, Placeholder, pick_root
 from .pods import CpuMeter, PodMapper, container_id
 from .rbac import Need, agent_rbac_needs
 from .runtime_state import find_state
-from .ship import Shipper, delete_local, remove_tree, sweep_archives
+from .ship import Shipper, remove_tree
 
 
 class AgentApp(Application):
@@ -266,7 +266,7 @@ class AgentApp(Application):
 
     pvc_paths = List(
         Unicode(),
-        help="Folders (mounted snapshot PVCs) a checkpoint request may use as target.path with "
+        help="Folders (mounted checkpoint PVCs) a checkpoint request may use as target.path with "
         "target.kind 'pvc', e.g. ['/snapshots']. Empty (the default): checkpoints to a PVC are "
         "refused, so that no caller can have the agent, root on the node, write into any "
         "folder it names.",
@@ -338,6 +338,9 @@ class AgentApp(Application):
         self._restored: list = []
         self._sweeper: asyncio.Task | None = None
         self.server: HTTPServer | None = None
+        #: the node's checkpoints: the kubelet dumps, a registry or PVC keeps (its crash
+        #: recovery included)
+        self.backend = NodeBackend(self)
 
     # -- start-up -----------------------------------------------------------------------
 
@@ -415,24 +418,14 @@ class AgentApp(Application):
         """Records of checkpoints under way (on the restore_dir hostPath: they outlive the agent)."""
         return Path(self.restore_dir) / ".in-progress"
 
-    def _mark_in_progress(self, ns: str, name: str, container: str, pids: list[int]) -> Path | None:
-        """Record the pids whose GPU memory a checkpoint froze, until it ends either way."""
-        if not pids:
-            return None
-        self.in_progress_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        marker = self.in_progress_dir / f"{ns}_{name}.json"
-        record = {"namespace": ns, "pod": name, "container": container, "pids": pids, "started": time.time()}
-        marker.write_text(json.dumps(record))
-        return marker
-
     async def resume_interrupted(self) -> list[int]:
         """After a crash: give back the GPU memory of pods whose checkpoint the agent was
         taking when it died (their servers run on, so their GPU work must not stay frozen);
-        delete the half-shipped archives. The base's crash recovery does it
-        (:mod:`.interrupted`). Returns the pids resumed."""
-        interrupted = InterruptedCheckpoints(self)
-        await interrupted.recover()
-        return interrupted.resumed
+        delete the half-shipped archives. The base's crash recovery does it, over the
+        backend's hooks (:mod:`.node_backend`). Returns the pids resumed."""
+        self.backend.resumed = []
+        await self.backend.recover()
+        return self.backend.resumed
 
     @property
     def kept_archives(self) -> KeptArchives:
@@ -669,6 +662,8 @@ class AgentApp(Application):
         self._busy[key] = what
 
     async def checkpoint(self, body: dict) -> dict:
+        """Checkpoint a pod's container through :class:`~.node_backend.NodeBackend` into
+        the store ``body["target"]`` names; the reply the service records."""
         ns, name = need(body, "namespace"), need(body, "pod")
         container = need(body, "container")
         try:
@@ -677,164 +672,26 @@ class AgentApp(Application):
             raise AgentError(
                 "timeout must be a whole number of seconds", "send e.g. 120", 400
             ) from e
-        target = body.get("target") or {}
-        if target.get("kind") not in ("registry", "pvc"):
-            raise AgentError(
-                "target.kind must be 'registry' or 'pvc'",
-                "send target {kind: registry, repository} or {kind: pvc, path}",
-                400,
-            )
-        if target["kind"] == "pvc":
-            self.pvc_folder(target)  # refused before anything is frozen
+        # refused before anything is frozen
+        store = self.shipper.for_target(body.get("target") or {}, self.pvc_paths)
         key = f"{ns}/{name}"
         self.claim(key, "checkpoint")
         try:
-            return await self._checkpoint(ns, name, container, timeout, target)
+            pod = await self.pod_on_node(ns, name)
+            info = await self.backend.checkpoint(
+                pod_server(pod), pod=pod, container=container, timeout=timeout, store=store
+            )
         finally:
             self._busy.pop(key, None)
-
-    def pvc_folder(self, target: dict) -> Path:
-        """``target.path`` of a checkpoint to a PVC, if it is one of pvc_paths (403 if not,
-        and always while pvc_paths is empty)."""
-        folder = Path(need(target, "path"))
-        allowed = {os.path.realpath(p) for p in self.pvc_paths}
-        if not allowed:
-            raise AgentError(
-                "checkpoints to a PVC are off on this agent: AgentApp.pvc_paths is empty",
-                "mount the snapshot PVC into the agent pod and list its folder in "
-                "AgentApp.pvc_paths (e.g. ['/snapshots'])",
-                403,
-            )
-        if os.path.realpath(folder) not in allowed:
-            raise AgentError(
-                f"target.path {folder} is not one of AgentApp.pvc_paths "
-                f"({', '.join(self.pvc_paths)})",
-                "use a path listed in AgentApp.pvc_paths",
-                403,
-            )
-        return folder
-
-    async def _checkpoint(
-        self, ns: str, name: str, container: str, timeout: int, target: dict
-    ) -> dict:
-        started = time.monotonic()
-        pod = await self.pod_on_node(ns, name)
-        annotations = pod["metadata"].get("annotations") or {}
-        user = annotations.get("hub.jupyter.org/username")
-        server = (
-            f"{user}/{annotations.get('hub.jupyter.org/servername', '')}"
-            if user
-            else f"{ns}/{name}"
-        )
-        pids = await self.container_pids(pod, container)
-        held = await asyncio.to_thread(self.nvml.process_memory, pids) if pids else {}
-        gpu_pids = sorted({p for d in held.values() for p in d})
-        gpu_bytes = sum(sum(d.values()) for d in held.values())
-        if gpu_pids and not await asyncio.to_thread(self.cuda.available):
-            raise AgentError(
-                f"{server}: pids {gpu_pids} hold GPU memory but the CUDA checkpoint API "
-                f"is unavailable ({self.cuda.reason})",
-                "upgrade the node's NVIDIA driver to 570 or newer",
-                409,
-            )
-        suspended = await self.cuda.suspend(gpu_pids) if gpu_pids else []
-        marker = self._mark_in_progress(ns, name, container, suspended)
-        archive: Path | None = None
-        keep = False  # the archive stays on the node: its push failed on the far side
-        try:
-            gpu = await asyncio.to_thread(self._gpu_needs, held, suspended)
-            path = await self.kubelet.checkpoint(self.node_name, ns, name, container, timeout)
-            archive = Path(self.checkpoint_dir) / Path(path).name
-            if not archive.exists():
-                raise AgentError(
-                    f"the kubelet wrote {path} but the agent cannot see {archive}",
-                    "mount the host's /var/lib/kubelet/checkpoints at checkpoint_dir",
-                    500,
-                )
-            created = time.time()
-            try:
-                if target["kind"] == "registry":
-                    shipped = await self.shipper.to_registry(
-                        archive,
-                        need(target, "repository"),
-                        container,
-                        server,
-                        gpu_bytes,
-                        created,
-                        gpu=gpu,
-                    )
-                else:
-                    folder = self.pvc_folder(target)
-                    shipped = await self.shipper.to_pvc(
-                        archive, folder, server, gpu_bytes, created, gpu=gpu
-                    )
-            except AgentError as e:
-                keep = e.code >= 500  # the registry's or volume's fault, not the request's
-                raise
-        except BaseException as e:
-            if suspended:
-                await self.cuda.resume(suspended)
-            self.log.warning(
-                "checkpoint of %s (pod %s/%s) failed, it keeps running: %s", server, ns, name, e
-            )
-            raise
-        finally:
-            if marker is not None:
-                marker.unlink(missing_ok=True)
-                with contextlib.suppress(OSError):
-                    marker.parent.rmdir()  # only once no other checkpoint is under way
-            if keep:
-                self.log.warning(
-                    "%s: the checkpoint archive %s stays on the node until a checkpoint of "
-                    "%s/%s/%s ships (at most AgentApp.kept_archive_max_age = %gs)",
-                    server, archive, ns, name, container, self.kept_archive_max_age,
-                )  # fmt: skip
-                self.kept_archives.add(archive)
-            elif archive is not None:
-                delete_local(archive, self.log)
-            # archives a timed-out kubelet call finished writing later, and one kept after
-            # an earlier failed push (at most one per container is kept)
-            removed = sweep_archives(
-                Path(self.checkpoint_dir), ns, name, container, self.log,
-                keep=archive if keep else None,
-            )  # fmt: skip
-            self.kept_archives.forget(removed + ([] if keep or archive is None else [archive]))
-        self.log.info(
-            "checkpoint of %s (pod %s/%s) verified as %s (%d bytes, %d GPU bytes) in %.1fs",
-            server,
-            ns,
-            name,
-            shipped.id,
-            shipped.image_bytes,
-            gpu_bytes,
-            time.monotonic() - started,
-        )
         return {
-            "id": shipped.id,
-            "digest": shipped.digest,
-            "image_bytes": shipped.image_bytes,
-            "gpu_bytes": gpu_bytes,
-            "gpu": gpu.as_dict(),
-            "status": "verified",
-            "node": self.node_name,
+            "id": info.id,
+            "digest": info.extra["digest"],
+            "image_bytes": info.image_bytes,
+            "gpu_bytes": info.gpu_bytes,
+            "gpu": info.extra["gpu"],
+            "status": info.status,
+            "node": info.extra["node"],
         }
-
-    def _gpu_needs(self, held: dict[int, dict[int, int]], suspended: list[int]) -> GpuNeeds:
-        """What restoring the GPU memory of ``suspended`` needs: the model of the GPUs they
-        held memory on (``held``: NVML's ``{device: {pid: bytes}}``), those devices and
-        the driver. Blocking (NVML)."""
-        if not suspended:
-            return GpuNeeds()
-        mine = set(suspended)
-        devices = sorted(d for d, procs in held.items() if mine & set(procs))
-        names = self.nvml.device_names()
-        first = devices[0] if devices else 0
-        return GpuNeeds(
-            holds_gpu=True,
-            model=names[first] if first < len(names) else "",
-            devices=devices,
-            driver_version=self.nvml.driver_version() or self.cuda.driver_version() or "",
-        )
 
     def gpus_here(self) -> dict:
         """This node's GPUs as :func:`~jupyterhub_gpusnap.gpu.compat.gpu_difference`
@@ -860,7 +717,7 @@ class AgentApp(Application):
         anything is fetched or CRIU runs: a GPU checkpoint restored elsewhere fails only
         after CRIU has rebuilt the tree. Returns the needs (None: the image records none).
         """
-        needs = await self.shipper.gpu_needs(image)
+        needs = await self.shipper.for_image(image).gpu_needs(image)
         if needs is None:
             self.log.info(
                 "checkpoint %s records no GPU model or driver (taken by an older agent); "
@@ -983,7 +840,7 @@ class AgentApp(Application):
                     "install CRIU >= 4.2 in the agent image and set AgentApp.criu_path",
                     500,
                 )
-            images = await self.shipper.fetch(image, scratch)
+            images = await self.shipper.for_image(image).fetch(image, scratch)
             extra = list(self.criu_restore_args)
             try:
                 if target is not None:
@@ -1062,7 +919,9 @@ class AgentApp(Application):
         args, inherit = target.restore_args(archive)
         if target.runtime is not None:
             written = await asyncio.to_thread(apply_rootfs_diff, archive, target.rootfs)
-            self.log.info("applied %d changed files of the checkpoint to %s", written, target.rootfs)
+            self.log.info(
+                "applied %d changed files of the checkpoint to %s", written, target.rootfs
+            )
         elif _has_rootfs_changes(archive):
             raise AgentError(
                 "the checkpoint carries file changes (rootfs-diff.tar) but the agent found no "
@@ -1112,7 +971,11 @@ class AgentApp(Application):
             ) from e
         except CheckpointError as e:
             raise AgentError(f"{ns}/{name}: {e}", "see the agent's log", 500) from e
-        return {"pids": result.pids, "bytes": result.bytes_moved, "seconds": round(result.seconds, 3)}
+        return {
+            "pids": result.pids,
+            "bytes": result.bytes_moved,
+            "seconds": round(result.seconds, 3),
+        }
 
     async def doctor(self) -> dict:
         checks = []
@@ -1217,6 +1080,17 @@ def _has_rootfs_changes(archive: ContainerArchive) -> bool:
             return tar.next() is not None
     except (OSError, tarfile.TarError):
         return False
+
+
+def pod_server(pod: dict) -> Server:
+    """The Hub server a pod runs, from KubeSpawner's annotations; ``namespace/pod`` as
+    the server's key for a pod without them."""
+    meta = pod["metadata"]
+    annotations = meta.get("annotations") or {}
+    user = annotations.get("hub.jupyter.org/username")
+    if user:
+        return Server(user=user, name=annotations.get("hub.jupyter.org/servername", ""))
+    return Server(user=meta["namespace"], name=meta["name"])
 
 
 def _children(pid: int) -> list[psutil.Process]:

@@ -1,10 +1,21 @@
-"""Shipping a kubelet checkpoint archive off the node, verifying it, and fetching it back.
+"""Where the node agent keeps a checkpoint: the storage axis on Kubernetes, apart from
+the dumper (the kubelet).
 
-Two targets: an OCI registry (the archive becomes a one-layer checkpoint image, see
-:mod:`jupyterhub_gpusnap.checkpoint.oci`) or a folder on a PVC (the archive copied
-next to a small JSON record of its digest). Either way the copy is verified by
-digest before the node's archive is deleted: a failed ship leaves nothing half-done
-that anyone could mistake for a checkpoint.
+One interface, :class:`ArchiveStore`, two stores, chosen once per checkpoint from the
+request's target (:meth:`Shipper.for_target`) or per restore from the checkpoint's id
+(:meth:`Shipper.for_image`):
+
+- :class:`RegistryStore`: an OCI registry; the archive becomes a one-layer checkpoint
+  image (see :mod:`jupyterhub_gpusnap.checkpoint.oci`), its id ``repo@sha256:…``.
+- :class:`PvcStore`: a folder on a PVC; the archive copied next to a small JSON record
+  of its digest, its id the copy's path.
+
+A store ships a finished kubelet archive (:meth:`ArchiveStore.ship`), says what a
+checkpoint's GPU memory needs without fetching it (:meth:`ArchiveStore.gpu_needs`) and
+fetches it back, verified and unpacked (:meth:`ArchiveStore.fetch`). Either way the copy
+is verified by digest before the node's archive is deleted: a failed ship leaves nothing
+half-done that anyone could mistake for a checkpoint. The settings they share are
+:class:`Shipper`'s traits.
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ import json
 import os
 import shutil
 import tarfile
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +36,7 @@ from traitlets.config import LoggingConfigurable
 from ..checkpoint import oci
 from ..gpu.compat import GpuNeeds
 from ..kube.errors import AgentError
+from .errors import need
 
 
 @dataclass
@@ -82,7 +95,7 @@ def extract_archive(archive: Path, dest: Path) -> Path:
 
 
 class Shipper(LoggingConfigurable):
-    """Pushes archives to a registry or a PVC folder, verifies them, and pulls them back."""
+    """The settings of the node agent's stores, and the store a checkpoint uses."""
 
     registry_scheme = Unicode(
         "https",
@@ -118,31 +131,135 @@ class Shipper(LoggingConfigurable):
             parent=self,
         )
 
-    async def to_registry(
+    def for_target(self, target: dict, pvc_paths: Iterable[str]) -> ArchiveStore:
+        """The store a checkpoint request's ``target`` names, refused before anything is
+        frozen: 400 for an unknown ``kind``, 403 for a PVC folder not in ``pvc_paths``
+        (``AgentApp.pvc_paths``; always while it is empty)."""
+        kind = target.get("kind")
+        if kind == "registry":
+            return RegistryStore(self, target.get("repository"))
+        if kind == "pvc":
+            return PvcStore(self, pvc_folder(target, list(pvc_paths)))
+        raise AgentError(
+            "target.kind must be 'registry' or 'pvc'",
+            "send target {kind: registry, repository} or {kind: pvc, path}",
+            400,
+        )
+
+    def for_image(self, image: str) -> ArchiveStore:
+        """The store that holds checkpoint ``image``: a path on a PVC (``/…``) or a
+        registry reference (``host/path@sha256:…``)."""
+        return PvcStore(self) if image.startswith("/") else RegistryStore(self)
+
+
+def pvc_folder(target: dict, pvc_paths: list[str]) -> Path:
+    """``target.path`` of a checkpoint to a PVC, if it is one of ``pvc_paths`` (403 if not,
+    and always while ``pvc_paths`` is empty)."""
+    folder = Path(need(target, "path"))
+    allowed = {os.path.realpath(p) for p in pvc_paths}
+    if not allowed:
+        raise AgentError(
+            "checkpoints to a PVC are off on this agent: AgentApp.pvc_paths is empty",
+            "mount the snapshot PVC into the agent pod and list its folder in "
+            "AgentApp.pvc_paths (e.g. ['/snapshots'])",
+            403,
+        )
+    if os.path.realpath(folder) not in allowed:
+        raise AgentError(
+            f"target.path {folder} is not one of AgentApp.pvc_paths ({', '.join(pvc_paths)})",
+            "use a path listed in AgentApp.pvc_paths",
+            403,
+        )
+    return folder
+
+
+class ArchiveStore:
+    """Where a kubelet checkpoint archive is kept off the node, verified by digest.
+
+    Subclasses implement :meth:`ship`, :meth:`gpu_needs` and :meth:`_verified_archive`;
+    :meth:`fetch` is shared. Failures are :class:`AgentError`s whose code says whose
+    fault it is: 4xx the request's or the image's, 5xx the store's (the registry's, the
+    volume's), after which the node keeps the archive (see :mod:`.kept`).
+    """
+
+    def __init__(self, shipper: Shipper):
+        self.shipper = shipper
+
+    async def ship(
         self,
         archive: Path,
-        repository: str,
-        container: str,
+        *,
         server: str,
+        container: str,
         gpu_bytes: int,
         created: float,
         gpu: GpuNeeds | None = None,
     ) -> Shipped:
-        """Push ``archive`` as a checkpoint image under ``repository`` and verify it.
+        """Copy ``archive`` into the store and verify the copy by digest.
 
-        ``gpu``: what the checkpoint's GPU memory needs, written as manifest annotations
-        (:mod:`~jupyterhub_gpusnap.gpu.compat`) that :meth:`gpu_needs` reads back.
-
-        Requests that fail for a moment are tried again and a failed chunk resumes where the
-        registry is (:class:`~jupyterhub_gpusnap.checkpoint.oci.RegistryClient`, ``Backoff``);
-        a push that fails for good raises a 502 AgentError with the registry's error and fix,
-        and leaves ``archive`` as it was: deleting it is the caller's decision.
+        ``gpu``: what the checkpoint's GPU memory needs, kept with it
+        (:mod:`~jupyterhub_gpusnap.gpu.compat`) for :meth:`gpu_needs` to read back.
+        ``archive`` is left as it was, whatever happens: deleting it is the caller's
+        decision.
         """
+        raise NotImplementedError
+
+    async def gpu_needs(self, image: str) -> GpuNeeds | None:
+        """What checkpoint ``image`` records of its GPU state, read without fetching it.
+        None when the image records nothing about GPUs (taken by an older agent)."""
+        raise NotImplementedError
+
+    async def _verified_archive(self, image: str, dest: Path) -> Path:
+        """Checkpoint ``image``'s archive, its digest checked: where it is, or fetched into
+        ``dest``."""
+        raise NotImplementedError
+
+    async def fetch(self, image: str, dest: Path) -> Path:
+        """Fetch a checkpoint (``repo@sha256:…`` or a PVC path), verify it, unpack it; return the images dir."""
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = await self._verified_archive(image, dest)
+        loop = asyncio.get_running_loop()
+        images = await loop.run_in_executor(None, extract_archive, archive, dest / "archive")
+        if archive.parent == dest:
+            archive.unlink()
+        return images
+
+
+class RegistryStore(ArchiveStore):
+    """Checkpoints as one-layer OCI images in a registry.
+
+    ``repository``: where :meth:`ship` pushes (``host[:port]/path``, the request's
+    ``target.repository``, checked when shipping); a restore needs none (the image's
+    reference names its registry).
+    """
+
+    def __init__(self, shipper: Shipper, repository: object = None):
+        super().__init__(shipper)
+        self.repository = repository
+
+    async def ship(
+        self,
+        archive: Path,
+        *,
+        server: str,
+        container: str,
+        gpu_bytes: int,
+        created: float,
+        gpu: GpuNeeds | None = None,
+    ) -> Shipped:
+        """Push ``archive`` as a checkpoint image under the repository and verify it.
+
+        ``gpu`` is written as manifest annotations. Requests that fail for a moment are
+        tried again and a failed chunk resumes where the registry is
+        (:class:`~jupyterhub_gpusnap.checkpoint.oci.RegistryClient`, ``Backoff``); a push
+        that fails for good raises a 502 AgentError with the registry's error and fix.
+        """
+        repository = need({"repository": self.repository}, "repository")
         try:
             ref = oci.ImageRef.parse(repository)
         except ValueError as e:
             raise AgentError(str(e), "set target.repository to host[:port]/path", 400) from e
-        client = self.client(ref.registry)
+        client = self.shipper.client(ref.registry)
         annotations = oci.checkpoint_annotations(
             container, server, gpu_bytes, created, extra=(gpu or GpuNeeds()).annotations()
         )
@@ -154,27 +271,81 @@ class Shipper(LoggingConfigurable):
                 annotations,
                 oci.tag_for(server or container, created),
                 created,
-                architecture=self.architecture,
+                architecture=self.shipper.architecture,
             )
         except oci.RegistryError as e:
             raise AgentError(f"pushing the checkpoint failed: {e}", _registry_fix(e), 502) from e
         return Shipped(pushed.ref, pushed.digest, pushed.image_bytes, ref.repository)
 
-    async def to_pvc(
+    async def gpu_needs(self, image: str) -> GpuNeeds | None:
+        """The registry manifest's annotations, checked against the digest."""
+        try:
+            ref = oci.ImageRef.parse(image)
+        except ValueError as e:
+            raise AgentError(str(e), "pass the image as host/path@sha256:…", 400) from e
+        if not ref.digest:
+            return None  # fetch() refuses it, naming the fix
+        try:
+            raw, got = await self.shipper.client(ref.registry).get_manifest(ref.name, ref.digest)
+        except oci.RegistryError as e:
+            raise AgentError(
+                f"reading checkpoint {image} failed: {e}", _registry_fix(e), 502
+            ) from e
+        if got != ref.digest:
+            raise AgentError(
+                f"manifest of {image} reads back as {got}",
+                "the registry returned another image: check the registry",
+                502,
+            )
+        try:
+            annotations = json.loads(raw).get("annotations") or {}
+        except (ValueError, AttributeError) as e:
+            raise AgentError(
+                f"manifest of {image} is not JSON: {e}", "the image is not a checkpoint image", 422
+            ) from e
+        return GpuNeeds.from_annotations(annotations)
+
+    async def _verified_archive(self, image: str, dest: Path) -> Path:
+        """The image's layer pulled into ``dest`` (checked against its digest)."""
+        archive = dest / "layer.tar"
+        try:
+            ref = oci.ImageRef.parse(image)
+            await oci.pull_layer(self.shipper.client(ref.registry), image, archive)
+        except ValueError as e:
+            raise AgentError(str(e), "pass the image as host/path@sha256:…", 400) from e
+        except oci.RegistryError as e:
+            raise AgentError(
+                f"pulling checkpoint {image} failed: {e}", _registry_fix(e), 502
+            ) from e
+        return archive
+
+
+class PvcStore(ArchiveStore):
+    """Checkpoints as archives in a folder of a mounted PVC, each next to a JSON record of
+    its digest and, under ``annotations``, the same GPU annotations a registry image
+    carries.
+
+    ``folder``: where :meth:`ship` copies to (one of ``AgentApp.pvc_paths``); a restore
+    needs none (the checkpoint's id is its path).
+    """
+
+    def __init__(self, shipper: Shipper, folder: Path | None = None):
+        super().__init__(shipper)
+        self.folder = folder
+
+    async def ship(
         self,
         archive: Path,
-        folder: Path,
+        *,
         server: str,
+        container: str,
         gpu_bytes: int,
         created: float,
         gpu: GpuNeeds | None = None,
     ) -> Shipped:
-        """Copy ``archive`` into ``folder`` (a mounted PVC), fsync, re-read and compare digests.
-
-        The JSON record next to it holds the digest and, under ``annotations``, the same
-        GPU annotations a registry image carries (``gpu``).
-        """
-        if not folder.is_dir():
+        """Copy ``archive`` into the folder, fsync, re-read and compare digests."""
+        folder = self.folder
+        if folder is None or not folder.is_dir():
             raise AgentError(
                 f"PVC path {folder} is not a folder on this node",
                 "mount the snapshot PVC into the agent pod at target.path",
@@ -187,7 +358,7 @@ class Shipper(LoggingConfigurable):
         loop = asyncio.get_running_loop()
         try:
             digest, size = await loop.run_in_executor(
-                None, _copy_hashing, archive, partial, self.chunk_size
+                None, _copy_hashing, archive, partial, self.shipper.chunk_size
             )
             again, _ = await loop.run_in_executor(None, oci.sha256_file, partial)
             if again != digest:
@@ -222,69 +393,25 @@ class Shipper(LoggingConfigurable):
         return Shipped(str(dest), digest, size, str(folder))
 
     async def gpu_needs(self, image: str) -> GpuNeeds | None:
-        """What checkpoint ``image`` records of its GPU state, read without fetching it: the
-        registry manifest's annotations (checked against the digest) or the PVC record.
-        None when the image records nothing about GPUs (taken by an older agent)."""
-        if image.startswith("/"):
-            return GpuNeeds.from_annotations(_pvc_record(image).get("annotations") or {})
-        try:
-            ref = oci.ImageRef.parse(image)
-        except ValueError as e:
-            raise AgentError(str(e), "pass the image as host/path@sha256:…", 400) from e
-        if not ref.digest:
-            return None  # fetch() refuses it, naming the fix
-        try:
-            raw, got = await self.client(ref.registry).get_manifest(ref.name, ref.digest)
-        except oci.RegistryError as e:
-            raise AgentError(
-                f"reading checkpoint {image} failed: {e}", _registry_fix(e), 502
-            ) from e
-        if got != ref.digest:
-            raise AgentError(
-                f"manifest of {image} reads back as {got}",
-                "the registry returned another image: check the registry",
-                502,
-            )
-        try:
-            annotations = json.loads(raw).get("annotations") or {}
-        except (ValueError, AttributeError) as e:
-            raise AgentError(
-                f"manifest of {image} is not JSON: {e}", "the image is not a checkpoint image", 422
-            ) from e
-        return GpuNeeds.from_annotations(annotations)
+        """The PVC record's annotations."""
+        return GpuNeeds.from_annotations(_pvc_record(image).get("annotations") or {})
 
-    async def fetch(self, image: str, dest: Path) -> Path:
-        """Fetch a checkpoint (``repo@sha256:…`` or a PVC path), verify it, unpack it; return the images dir."""
-        dest.mkdir(parents=True, exist_ok=True)
+    async def _verified_archive(self, image: str, dest: Path) -> Path:
+        """The archive where it is on the PVC, its digest compared with its record's."""
+        archive = Path(image)
         loop = asyncio.get_running_loop()
-        if image.startswith("/"):
-            archive = Path(image)
-            try:
-                want = _pvc_record(image)["digest"]
-                got, _ = await loop.run_in_executor(None, oci.sha256_file, archive)
-            except (OSError, KeyError) as e:
-                raise _pvc_unreadable(image, e) from e
-            if got != want:
-                raise AgentError(
-                    f"checkpoint {image} is corrupt ({got}, recorded {want})",
-                    "the archive changed on the PVC: it cannot be restored",
-                    422,
-                )
-        else:
-            archive = dest / "layer.tar"
-            try:
-                ref = oci.ImageRef.parse(image)
-                await oci.pull_layer(self.client(ref.registry), image, archive)
-            except ValueError as e:
-                raise AgentError(str(e), "pass the image as host/path@sha256:…", 400) from e
-            except oci.RegistryError as e:
-                raise AgentError(
-                    f"pulling checkpoint {image} failed: {e}", _registry_fix(e), 502
-                ) from e
-        images = await loop.run_in_executor(None, extract_archive, archive, dest / "archive")
-        if archive.parent == dest:
-            archive.unlink()
-        return images
+        try:
+            want = _pvc_record(image)["digest"]
+            got, _ = await loop.run_in_executor(None, oci.sha256_file, archive)
+        except (OSError, KeyError) as e:
+            raise _pvc_unreadable(image, e) from e
+        if got != want:
+            raise AgentError(
+                f"checkpoint {image} is corrupt ({got}, recorded {want})",
+                "the archive changed on the PVC: it cannot be restored",
+                422,
+            )
+        return archive
 
 
 def _pvc_unreadable(image: str, e: Exception) -> AgentError:
@@ -296,7 +423,7 @@ def _pvc_unreadable(image: str, e: Exception) -> AgentError:
 
 
 def _pvc_record(image: str) -> dict:
-    """The JSON record next to a checkpoint archive on the snapshot PVC."""
+    """The JSON record next to a checkpoint archive on the checkpoint PVC."""
     try:
         record = json.loads(Path(image).with_suffix(".json").read_text())
     except (OSError, ValueError) as e:
@@ -352,4 +479,15 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-__all__ = ["Shipper", "Shipped", "extract_archive", "delete_local", "remove_tree", "sweep_archives"]
+__all__ = [
+    "ArchiveStore",
+    "PvcStore",
+    "RegistryStore",
+    "Shipped",
+    "Shipper",
+    "delete_local",
+    "extract_archive",
+    "pvc_folder",
+    "remove_tree",
+    "sweep_archives",
+]
