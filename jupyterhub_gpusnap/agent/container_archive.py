@@ -67,8 +67,10 @@ class ContainerArchive:
         """Destinations of the container's bind mounts (CRIU externals, keyed by destination)."""
         out = []
         for m in self.spec.get("mounts") or []:
-            if m.get("type") == "bind" or "bind" in (m.get("options") or []) or "rbind" in (
-                m.get("options") or []
+            if (
+                m.get("type") == "bind"
+                or "bind" in (m.get("options") or [])
+                or "rbind" in (m.get("options") or [])
             ):
                 out.append(m["destination"])
         return out
