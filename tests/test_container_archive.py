@@ -35,7 +35,14 @@ def archive_with(tmp_path: Path, members: list[tarfile.TarInfo], deleted: list[s
 def member(name: str, kind: bytes = tarfile.REGTYPE, size: int = 3, link: str = "", mode: int = 0o644,
            uid: int = 1000) -> tarfile.TarInfo:  # fmt: skip
     m = tarfile.TarInfo(name)
-    m.type, m.size, m.linkname, m.mode, m.uid, m.gid = kind, size if kind == tarfile.REGTYPE else 0, link, mode, uid, 100
+    m.type, m.size, m.linkname, m.mode, m.uid, m.gid = (
+        kind,
+        size if kind == tarfile.REGTYPE else 0,
+        link,
+        mode,
+        uid,
+        100,
+    )
     return m
 
 
@@ -51,8 +58,12 @@ def rootfs(tmp_path):
 def test_file_changes_land_in_the_root_filesystem_with_their_owners(tmp_path, rootfs):
     archive = archive_with(
         tmp_path,
-        [member("var/", tarfile.DIRTYPE, mode=0o755), member("var/made"),
-         member("usr/local-tool", mode=0o4755), member("usr/py", tarfile.SYMTYPE, link="/usr/bin/python3")],  # fmt: skip
+        [
+            member("var/", tarfile.DIRTYPE, mode=0o755),
+            member("var/made"),
+            member("usr/local-tool", mode=0o4755),
+            member("usr/py", tarfile.SYMTYPE, link="/usr/bin/python3"),
+        ],  # fmt: skip
         deleted=["/etc/debian_version"],
     )
     assert apply_rootfs_diff(archive, rootfs) == 4
@@ -102,7 +113,12 @@ def test_what_the_runtime_marked_external_is_read_from_the_spec(tmp_path):
     spec = {
         "mounts": [
             {"destination": "/proc", "type": "proc", "source": "proc"},
-            {"destination": "/etc/hosts", "type": "bind", "source": "/x/hosts", "options": ["rbind"]},
+            {
+                "destination": "/etc/hosts",
+                "type": "bind",
+                "source": "/x/hosts",
+                "options": ["rbind"],
+            },
             {"destination": "/home/jovyan", "source": "/x/home", "options": ["rbind", "rw"]},
         ],
         "linux": {

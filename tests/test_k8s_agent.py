@@ -579,7 +579,9 @@ def give_node_gpus(
     agent.cuda = CudaCheckpoint(parent=agent, driver=libcuda, nvml=agent.nvml)
 
 
-def gpu_user_pod(cluster: Cluster, work: Workload, models: list[str], gpu: int, nbytes: int) -> FakeLibcuda:
+def gpu_user_pod(
+    cluster: Cluster, work: Workload, models: list[str], gpu: int, nbytes: int
+) -> FakeLibcuda:
     """alice's pod running ``work``, whose process holds ``nbytes`` on GPU ``gpu`` of a node
     with GPUs ``models``; the node's (fake) driver, which knows that process."""
     pod = cluster.add_user_pod("alice", work)

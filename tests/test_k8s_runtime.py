@@ -148,7 +148,9 @@ async def test_agent_ships_the_runtimes_checkpoint_and_restores_it_into_a_placeh
         server, kernel = await notebook_with_state(pods, home)
         cluster.add_user_pod("alice", runtime=server)
         backend = backend_for(cluster, registry)
-        alice = Server(user="alice", name="", state={"pod_name": "jupyter-alice", "namespace": "jhub"})
+        alice = Server(
+            user="alice", name="", state={"pod_name": "jupyter-alice", "namespace": "jhub"}
+        )
 
         info: CheckpointInfo = await backend.checkpoint(alice)
 
@@ -210,7 +212,9 @@ async def test_agent_ships_the_runtimes_checkpoint_and_restores_it_into_a_placeh
 
         # in the placeholder's pod: its network (pod IP), IPC and UTS namespaces, its cgroup
         for ns in ("net", "ipc", "uts"):
-            assert os.readlink(f"/proc/{pid}/ns/{ns}") == os.readlink(f"/proc/{placeholder.pid}/ns/{ns}")
+            assert os.readlink(f"/proc/{pid}/ns/{ns}") == os.readlink(
+                f"/proc/{placeholder.pid}/ns/{ns}"
+            )
         assert os.readlink(f"/proc/{pid}/ns/pid") != os.readlink(f"/proc/{placeholder.pid}/ns/pid")
         assert pid in placeholder.cgroup_pids()
         # the same kernel answers on the placeholder's pod IP, with the container's files
@@ -263,7 +267,9 @@ async def test_runtime_restores_the_checkpoint_image_itself(runtime, registry, p
         server, kernel = await notebook_with_state(pods, home)
         cluster.add_user_pod("alice", runtime=server)
         backend = backend_for(cluster, registry)
-        alice = Server(user="alice", name="", state={"pod_name": "jupyter-alice", "namespace": "jhub"})
+        alice = Server(
+            user="alice", name="", state={"pod_name": "jupyter-alice", "namespace": "jhub"}
+        )
         info = await backend.checkpoint(alice)
         pods.delete(server)
 
