@@ -868,3 +868,35 @@ async def test_agent_restarted_after_dying_mid_checkpoint_gives_the_gpu_memory_b
     finally:
         work.stop()
         await cluster.stop()
+
+
+async def test_a_checkpoint_that_cannot_record_its_freeze_gives_the_gpu_memory_back(tmp_path):
+    """The agent froze a pod's GPU memory but could not write the record a restarted agent
+    would undo it from (where its folder should be is a file): the checkpoint fails and the
+    GPU memory is resumed at once, not left frozen under a server that runs on."""
+    cluster = Cluster(tmp_path)
+    restore_dir = tmp_path / "restore"
+    await cluster.start(AgentApp__restore_dir=str(restore_dir))
+    work = Workload(tmp_path).start()
+    try:
+        await work.wait_lines(1)
+        libcuda = gpu_user_pod(cluster, work, [H100], gpu=0, nbytes=2 << 30)
+        restore_dir.mkdir(parents=True, exist_ok=True)
+        cluster.agent.in_progress_dir.write_text("not a folder")
+
+        code, body = await cluster.agent_call(
+            "POST",
+            "/v1/checkpoint",
+            {
+                "namespace": "jhub",
+                "pod": "jupyter-alice",
+                "container": "notebook",
+                "target": {"kind": "registry", "repository": "registry.invalid/gpusnap/alice"},
+            },
+        )
+        assert code == 500 and "FileExistsError" in body["error"], body
+        assert libcuda.states[work.pid] == RUNNING and work.alive()
+        assert not list(cluster.kube.checkpoints.glob("*.tar"))  # no dump was taken
+    finally:
+        work.stop()
+        await cluster.stop()
