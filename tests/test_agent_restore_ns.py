@@ -19,9 +19,15 @@ import pytest
 from traitlets import TraitError
 
 from jupyterhub_gpusnap.agent.app import AgentApp
+from jupyterhub_gpusnap.agent.node_backend import NodeBackend
 from jupyterhub_gpusnap.agent.ship import PvcStore, Shipper
 from jupyterhub_gpusnap.checkpoint import criu as criu_tools
-from jupyterhub_gpusnap.checkpoint.base import CheckpointError
+from jupyterhub_gpusnap.checkpoint.base import (
+    CheckpointError,
+    CheckpointInfo,
+    Restored,
+    RestoreTarget,
+)
 from jupyterhub_gpusnap.kubespawner import PLACEHOLDER_ANNOTATION
 from tests.helpers.fake_kube import Cluster, Workload, cgroup2_mount
 
@@ -171,6 +177,65 @@ async def test_criu_restore_refuses_a_cgroup_it_cannot_enter(tmp_path):
     with pytest.raises(CheckpointError, match="no-such-cgroup/cgroup.procs is not writable"):
         await criu_tools.restore(tmp_path, tmp_path / "restore.pid", cgroup=missing)
     assert not list(tmp_path.glob("restore-*.log"))  # criu never started
+
+
+class RecordingBackend(NodeBackend):
+    """Records the restore the agent asks of its backend; answers as a restore into a
+    placeholder does, without restoring anything."""
+
+    def __init__(self, agent: AgentApp):
+        super().__init__(agent)
+        self.calls: list[tuple] = []
+
+    async def restore(self, info, timeout=600.0, into=None) -> Restored:
+        self.calls.append((info, timeout, into))
+        detail = {"placeholder_pid": 17, "namespaces": {"net": "net:[1]"}, "cgroup": "/pod"}
+        return Restored(pid=4242, node=self.agent.node_name, detail=detail)
+
+
+async def test_post_restore_is_the_backends_restore_into_the_named_pod(tmp_path):
+    """``POST /v1/restore`` only reads the request, calls ``NodeBackend.restore(info,
+    timeout, into=RestoreTarget(...))`` and answers what it returned."""
+    cluster = await Cluster(tmp_path).start(AgentApp__restore_timeout=77.0)
+    try:
+        agent = cluster.agent
+        agent.backend = RecordingBackend(agent)
+        code, body = await cluster.restore_into("/nowhere/alice.tar", container="lab")
+        assert code == 200, body
+        assert body == {
+            "restored": True,
+            "pid": 4242,
+            "placeholder_pid": 17,
+            "namespaces": {"net": "net:[1]"},
+            "cgroup": "/pod",
+        }
+        ((info, timeout, into),) = agent.backend.calls
+        assert info.id == "/nowhere/alice.tar" and info.status == "verified"
+        assert timeout == 77.0
+        assert into == RestoreTarget("jhub", "jupyter-alice", "lab")
+        # the pod is claimed while its restore runs, and free again after it
+        code, _ = await cluster.restore_into("/nowhere/alice.tar", container="lab")
+        assert code == 200 and len(agent.backend.calls) == 2
+    finally:
+        await cluster.stop()
+
+
+async def test_the_node_agent_keeps_no_list_of_checkpoints():
+    backend = NodeBackend(AgentApp(node_name="gpu-1"))
+    for call in (
+        backend.latest("alice", ""),
+        backend.list(),
+        backend.get("x"),
+        backend.delete("x"),
+    ):
+        with pytest.raises(
+            CheckpointError, match="node agent on gpu-1 keeps no list of checkpoints"
+        ):
+            await call
+    with pytest.raises(CheckpointError, match="restores into a pod"):
+        await backend.restore(
+            CheckpointInfo("/nowhere/alice.tar", "alice", "", 0.0, "verified"), into=None
+        )
 
 
 def test_placeholder_annotation_is_the_spawners():

@@ -27,16 +27,13 @@ request carries ``Authorization: Bearer <token>``; errors are
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import os
 import re
-import tarfile
 import time
 from pathlib import Path
 
-import psutil
 from tornado import web
 from tornado.httpserver import HTTPServer
 from traitlets import (
@@ -56,8 +53,7 @@ from traitlets.config import Application
 
 from .. import __version__
 from ..checkpoint import criu as criu_tools
-from ..checkpoint.base import CheckpointError, CheckpointRefused
-from ..gpu.compat import GpuNeeds, gpu_difference
+from ..checkpoint.base import CheckpointError, CheckpointInfo, CheckpointRefused, RestoreTarget
 from ..gpu.cuda import CudaCheckpoint
 from ..gpu.nvml import Nvml
 from ..gpu.park import Parking
@@ -67,7 +63,6 @@ from ..gpu.view import agent_payload, read_devices
 from ..kube.api import KubeAPI
 from ..kube.errors import AgentError
 from ..model import Server
-from .container_archive import ContainerArchive, apply_rootfs_diff
 from .errors import need
 from .handlers import (
     CheckpointHandler,
@@ -82,11 +77,10 @@ from .handlers import (
 from .kept import KeptArchives
 from .kubelet import KubeletClient
 from .node_backend import NodeBackend
-from .placeholder import JOINABLE_NAMESPACES, PLACEHOLDER_ANNOTATION, Placeholder, pick_root
+from .placeholder import JOINABLE_NAMESPACES, PLACEHOLDER_ANNOTATION
 from .pods import CpuMeter, PodMapper, container_id
 from .rbac import Need, agent_rbac_needs
-from .runtime_state import find_state
-from .ship import Shipper, remove_tree
+from .ship import Shipper
 
 
 class AgentApp(Application):
@@ -693,129 +687,10 @@ class AgentApp(Application):
             "node": info.extra["node"],
         }
 
-    def gpus_here(self) -> dict:
-        """This node's GPUs as :func:`~jupyterhub_gpusnap.gpu.compat.gpu_difference`
-        reads them (``gpu_model``, ``gpu_count``, ``driver_version``; ``error`` without
-        NVML). Blocking (NVML)."""
-        try:
-            if not self.nvml.open():
-                return {"gpu_count": 0, "error": self.nvml.reason or "NVML unavailable"}
-            names = self.nvml.device_names()
-            return {
-                "gpu_model": names[0] if names else "",
-                "gpu_count": len(names),
-                "driver_version": self.nvml.driver_version() or "",
-            }
-        except Exception as e:  # an NVML error: treat as no usable GPU, say why
-            return {"gpu_count": 0, "error": f"{type(e).__name__}: {e}"}
-
-    async def check_gpus(self, image: str) -> GpuNeeds | None:
-        """Refuse (409) a checkpoint whose GPU memory this node cannot restore.
-
-        Reads what ``image`` records (its manifest annotations or PVC record, not the
-        archive) and compares it with this node's GPU model, count and driver, before
-        anything is fetched or CRIU runs: a GPU checkpoint restored elsewhere fails only
-        after CRIU has rebuilt the tree. Returns the needs (None: the image records none).
-        """
-        needs = await self.shipper.for_image(image).gpu_needs(image)
-        if needs is None:
-            self.log.info(
-                "checkpoint %s records no GPU model or driver (taken by an older agent); "
-                "restoring it without the GPU check",
-                image,
-            )
-            return None
-        if not needs.holds_gpu:
-            return needs
-        here = await asyncio.to_thread(self.gpus_here)
-        why, fix = gpu_difference(needs, here, "node")
-        if why:
-            raise AgentError(
-                f"checkpoint {image} cannot be restored on node {self.node_name}: {why}",
-                fix,
-                409,
-            )
-        if not await asyncio.to_thread(self.cuda.available):
-            raise AgentError(
-                f"checkpoint {image} holds GPU memory but node {self.node_name} has no CUDA "
-                f"checkpoint API ({self.cuda.reason})",
-                "expose libcuda.so.1 of NVIDIA driver "
-                f"{needs.driver_version or '>= 570'} to the agent (runtimeClass nvidia)",
-                409,
-            )
-        return needs
-
-    async def placeholder(
-        self, namespace: str, name: str, container: str, image: str = ""
-    ) -> Placeholder:
-        """The running process of ``container`` in placeholder pod ``namespace/name``.
-
-        Raises a 409 AgentError when the pod is not a placeholder for ``image``, while it is
-        elsewhere, its container is not running or none of its processes is visible (the
-        caller retries or starts a fresh server).
-        """
-        key = f"{namespace}/{name}"
-        pod = await self.pod_on_node(namespace, name)
-        waits_for = (pod["metadata"].get("annotations") or {}).get(PLACEHOLDER_ANNOTATION)
-        if self.restore_requires_placeholder and waits_for != image:
-            raise AgentError(
-                f"pod {key} is not a placeholder for {image} "
-                f"({PLACEHOLDER_ANNOTATION}: {waits_for or '(none)'})",
-                "restore into the placeholder pod SnapKubeSpawner created for this checkpoint",
-                409,
-            )
-        statuses = (pod.get("status") or {}).get("containerStatuses") or []
-        if not container and len(statuses) == 1:
-            container = statuses[0].get("name", "")
-        status = next((s for s in statuses if s.get("name") == container), None)
-        if (
-            status is None
-            or not status.get("containerID")
-            or "running" not in (status.get("state") or {})
-        ):
-            raise AgentError(
-                f"container {container or '(none named)'} of placeholder pod {key} is not running",
-                "wait until the placeholder pod is Running (its container runs "
-                "SnapKubeSpawner.placeholder_command) and name it in 'container'",
-                409,
-            )
-        procs = (await asyncio.to_thread(self.mapper.scan)).get(pod["metadata"]["uid"])
-        pids = procs.containers.get(container_id(status["containerID"]), []) if procs else []
-        root = await asyncio.to_thread(pick_root, pids, self.mapper.proc_root) if pids else None
-        if root is None:
-            raise AgentError(
-                f"no process of container {container} (pod {key}) is visible on node "
-                f"{self.node_name}",
-                "run the agent with hostPID: true, the host's /proc at PodMapper.proc_root and "
-                "the host's cgroup v2 hierarchy at PodMapper.cgroup_root",
-                409,
-            )
-        runtime = await asyncio.to_thread(
-            find_state,
-            container_id(status["containerID"]),
-            list(self.runtime_state_dirs),
-            self.host_root,
-        )
-        target = await asyncio.to_thread(
-            Placeholder.of,
-            root,
-            self.mapper.proc_root,
-            self.mapper.cgroup_root,
-            list(self.restore_join_namespaces),
-            runtime,
-        )
-        if not os.access(target.cgroup / "cgroup.procs", os.W_OK):
-            raise AgentError(
-                f"cannot write {target.cgroup / 'cgroup.procs'} (cgroup of pod {key})",
-                "mount the host's /sys/fs/cgroup read-write at PodMapper.cgroup_root and run "
-                "the agent privileged",
-                500,
-            )
-        return target
-
     async def restore(self, body: dict) -> dict:
-        """Fetch and restore a checkpoint; optional body field ``container`` names the
-        placeholder's container (default: the pod's only one)."""
+        """Restore checkpoint ``body["image"]`` into pod ``namespace/pod`` through
+        :meth:`NodeBackend.restore() <.node_backend.NodeBackend.restore>`; optional body
+        field ``container`` names the placeholder's container (default: the pod's only one)."""
         ns, name = need(body, "namespace"), need(body, "pod")
         image = need(body, "image")
         container = body.get("container") or ""
@@ -823,122 +698,16 @@ class AgentApp(Application):
             raise AgentError("container must be a string", "send the container's name", 400)
         key = f"{ns}/{name}"
         self.claim(key, "restore")
-        scratch = (
-            Path(self.restore_dir) / hashlib.sha256(f"{key}@{image}".encode()).hexdigest()[:16]
-        )
         try:
-            started = time.monotonic()
-            target = (
-                await self.placeholder(ns, name, container, image)
-                if self.restore_into == "placeholder"
-                else None
+            restored = await self.backend.restore(
+                # the agent knows the pod, not its server: namespace/pod as the key
+                CheckpointInfo(id=image, user=ns, server_name=name, created=0.0, status="verified"),
+                timeout=self.restore_timeout,
+                into=RestoreTarget(ns, name, container),
             )
-            await self.check_gpus(image)
-            if not criu_tools.find_criu(self.criu_path):
-                raise AgentError(
-                    f"CRIU not found at {self.criu_path}",
-                    "install CRIU >= 4.2 in the agent image and set AgentApp.criu_path",
-                    500,
-                )
-            images = await self.shipper.for_image(image).fetch(image, scratch)
-            extra = list(self.criu_restore_args)
-            try:
-                if target is not None:
-                    restored = await self._restore_into(target, images, scratch, extra)
-                else:
-                    if (await asyncio.to_thread(ContainerArchive.read, images)).spec.get("root"):
-                        raise AgentError(
-                            f"checkpoint {image} is a container's (its runtime's archive has "
-                            "the container's spec): it can only be restored into a container",
-                            "set AgentApp.restore_into = 'placeholder' (the default) and restore "
-                            "into the placeholder pod SnapKubeSpawner creates",
-                            409,
-                        )
-                    if self.restore_root:
-                        extra += ["--root", self.restore_root]
-                    restored = await criu_tools.restore(
-                        images,
-                        scratch / "restore.pid",
-                        criu=self.criu_path,
-                        extra=extra,
-                        timeout=self.restore_timeout,
-                    )
-            except CheckpointError as e:
-                raise AgentError(
-                    f"criu restore of {image} failed: {e}",
-                    "a PID or port of the checkpoint is taken on this node, or files it had open "
-                    "are missing; the image is kept: free them and restore again",
-                    500,
-                ) from e
-            # criu stays the restored tree's parent and reaps it; keep its handle
-            self._restored = [r for r in self._restored if r.reap() is None] + [restored]
-            pid = restored.pid
-            tree = [pid, *(c.pid for c in _children(pid))]
-            result: dict = {"restored": True, "pid": pid}
-            if target is not None:
-                moved = await asyncio.to_thread(target.adopt, tree)
-                if moved:
-                    self.log.warning(
-                        "restore into pod %s: pids %s were outside %s, moved in",
-                        key,
-                        moved,
-                        target.cgroup,
-                    )
-                result.update(
-                    placeholder_pid=target.pid,
-                    namespaces=target.namespaces,
-                    cgroup="/" + str(target.cgroup.relative_to(self.mapper.cgroup_root)),
-                )
-            resumed = await self.cuda.resume(tree)
-            self.log.info(
-                "restored %s into pod %s as pid %d (%s, GPU pids %s) in %.1fs",
-                image,
-                key,
-                pid,
-                f"placeholder pid {target.pid}" if target else "agent namespaces",
-                resumed,
-                time.monotonic() - started,
-            )
-            remove_tree(scratch)
-            return result
-        except BaseException:
-            # the unpacked checkpoint holds the server's memory (and may be GiBs): gone at
-            # once; CRIU's log stays for the error message that names it
-            await asyncio.to_thread(_keep_only_logs, scratch)
-            raise
         finally:
             self._busy.pop(key, None)
-
-    async def _restore_into(
-        self, target: Placeholder, images: Path, scratch: Path, extra: list[str]
-    ):
-        """Restore the container archive around ``images`` into the placeholder ``target``:
-        its file changes into the placeholder's root filesystem, then CRIU with the
-        placeholder's root, volumes, network namespace and stdio (see :mod:`.placeholder`)."""
-        archive = await asyncio.to_thread(ContainerArchive.read, images)
-        args, inherit = target.restore_args(archive)
-        if target.runtime is not None:
-            written = await asyncio.to_thread(apply_rootfs_diff, archive, target.rootfs)
-            self.log.info(
-                "applied %d changed files of the checkpoint to %s", written, target.rootfs
-            )
-        elif _has_rootfs_changes(archive):
-            raise AgentError(
-                "the checkpoint carries file changes (rootfs-diff.tar) but the agent found no "
-                "runtime state of the placeholder container to apply them to",
-                "point AgentApp.runtime_state_dirs at the container runtime's state folder "
-                "(CRI-O with runc: /run/runc; containerd: /run/containerd/runc/k8s.io)",
-                409,
-            )
-        return await criu_tools.restore(
-            images,
-            scratch / "restore.pid",
-            criu=self.criu_path,
-            extra=extra + args,
-            inherit=inherit,
-            cgroup=target.cgroup,
-            timeout=self.restore_timeout,
-        )
+        return {"restored": True, "pid": restored.pid, **restored.detail}
 
     async def park(self, body: dict, resume: bool) -> dict:
         """Park (or unpark) a pod's GPU memory with the same code the service uses on one
@@ -1054,34 +823,6 @@ class AgentApp(Application):
         return {"checks": checks}
 
 
-def _keep_only_logs(folder: Path) -> None:
-    """Delete everything under ``folder`` but CRIU's restore logs (``restore-*.log``) and the
-    folders holding them."""
-    if not folder.is_dir():
-        return
-    for path in sorted(folder.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        try:
-            if path.is_dir() and not path.is_symlink():
-                path.rmdir()  # only when empty: folders with a log stay
-            elif not (path.name.startswith("restore-") and path.name.endswith(".log")):
-                path.unlink()
-        except OSError:
-            continue
-    with contextlib.suppress(OSError):
-        folder.rmdir()
-
-
-def _has_rootfs_changes(archive: ContainerArchive) -> bool:
-    diff = archive.folder / "rootfs-diff.tar"
-    if archive.deleted_files():
-        return True
-    try:
-        with tarfile.open(diff, "r:") as tar:
-            return tar.next() is not None
-    except (OSError, tarfile.TarError):
-        return False
-
-
 def pod_server(pod: dict) -> Server:
     """The Hub server a pod runs, from KubeSpawner's annotations; ``namespace/pod`` as
     the server's key for a pod without them."""
@@ -1091,13 +832,6 @@ def pod_server(pod: dict) -> Server:
     if user:
         return Server(user=user, name=annotations.get("hub.jupyter.org/servername", ""))
     return Server(user=meta["namespace"], name=meta["name"])
-
-
-def _children(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.Error:
-        return []
 
 
 def main(argv: list[str] | None = None) -> None:

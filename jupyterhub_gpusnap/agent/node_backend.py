@@ -24,23 +24,39 @@ A record left at start-up is a suspension the agent died during (``do_unfinished
 service records a checkpoint only once the agent answered, so none is ever completed:
 each is undone (``do_resume`` in phase ``recover``): its GPU memory is resumed, the
 half-shipped archive and the record deleted.
+
+:meth:`NodeBackend.restore` is the base's one restore, ``restore(info, timeout,
+into=RestoreTarget(namespace, pod, container)) -> Restored``: into the placeholder pod's
+container (its steps in :mod:`.restore_into`), or with ``AgentApp.restore_into = 'agent'``
+into the agent's own namespaces.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..checkpoint.base import CheckpointBackend, CheckpointError, CheckpointInfo, Suspension
+from ..checkpoint import criu as criu_tools
+from ..checkpoint.base import (
+    CheckpointBackend,
+    CheckpointError,
+    CheckpointInfo,
+    Restored,
+    RestoreTarget,
+    Suspension,
+)
 from ..gpu.compat import GpuNeeds
 from ..kube.errors import AgentError
 from ..model import Server
-from .ship import ArchiveStore, Shipped, delete_local, sweep_archives
+from .container_archive import ContainerArchive
+from .restore_into import check_gpus, children, criu_into, find_placeholder, keep_only_logs
+from .ship import ArchiveStore, Shipped, delete_local, remove_tree, sweep_archives
 
 if TYPE_CHECKING:
     from .app import AgentApp
@@ -86,7 +102,14 @@ class NodeSuspension(Suspension):
 class NodeBackend(CheckpointBackend):
     """Checkpoints of this node's containers: the kubelet dumps, an
     :class:`~.ship.ArchiveStore` keeps. ``checkpoint(server, pod=…, container=…,
-    timeout=…, store=…)``; ``recover()`` at the agent's start."""
+    timeout=…, store=…)``; ``recover()`` at the agent's start; ``restore(info, timeout,
+    into=RestoreTarget(namespace, pod, container))``.
+
+    The agent keeps no list of checkpoints: the service's
+    :class:`~jupyterhub_gpusnap.checkpoint.kubernetes.KubernetesBackend` records them
+    (from the agent's answers) and deletes them. :meth:`latest`, :meth:`list` (and so
+    :meth:`get`) and :meth:`delete` raise :class:`CheckpointError` saying so.
+    """
 
     #: a cancelled request gives its pod's GPU memory back too
     undo_on = (BaseException,)
@@ -320,3 +343,133 @@ class NodeBackend(CheckpointBackend):
         sweep_archives(Path(self.agent.checkpoint_dir), s.namespace, s.pod, s.container, self.log)
         s.marker.unlink(missing_ok=True)
         return error
+
+    # -- restore() --------------------------------------------------------------------
+
+    async def restore(
+        self, info: CheckpointInfo, timeout: float = 600.0, into: RestoreTarget | None = None
+    ) -> Restored:
+        """Fetch checkpoint ``info.id`` (an image reference or a PVC archive) and restore it
+        into ``into``'s container (empty: the pod's only one), ``criu restore`` stopped
+        after ``timeout`` seconds; its GPU memory resumed.
+
+        Returns
+        -------
+        Restored
+            The restored tree's root pid on this node; with a placeholder, ``detail`` has
+            its ``placeholder_pid``, ``namespaces`` and ``cgroup``.
+
+        Raises
+        ------
+        AgentError
+            409 when not now or not here, nothing changed (the placeholder not running or
+            not this checkpoint's, GPUs or driver that cannot take its GPU memory); 500 for
+            a restore that failed. The unpacked checkpoint is deleted, CRIU's logs kept.
+        """
+        if into is None:
+            raise CheckpointError(
+                f"{info.id}: the node agent restores into a pod: name it "
+                "(into=RestoreTarget(namespace, pod, container))"
+            )
+        agent = self.agent
+        image, key = info.id, f"{into.namespace}/{into.pod}"
+        scratch = (
+            Path(agent.restore_dir) / hashlib.sha256(f"{key}@{image}".encode()).hexdigest()[:16]
+        )
+        try:
+            started = time.monotonic()
+            target = (
+                await find_placeholder(agent, into.namespace, into.pod, into.container, image)
+                if agent.restore_into == "placeholder"
+                else None
+            )
+            await check_gpus(agent, image)
+            if not criu_tools.find_criu(agent.criu_path):
+                raise AgentError(
+                    f"CRIU not found at {agent.criu_path}",
+                    "install CRIU >= 4.2 in the agent image and set AgentApp.criu_path",
+                    500,
+                )
+            images = await agent.shipper.for_image(image).fetch(image, scratch)
+            extra = list(agent.criu_restore_args)
+            try:
+                if target is not None:
+                    restored = await criu_into(agent, target, images, scratch, extra, timeout)
+                else:
+                    if (await asyncio.to_thread(ContainerArchive.read, images)).spec.get("root"):
+                        raise AgentError(
+                            f"checkpoint {image} is a container's (its runtime's archive has "
+                            "the container's spec): it can only be restored into a container",
+                            "set AgentApp.restore_into = 'placeholder' (the default) and restore "
+                            "into the placeholder pod SnapKubeSpawner creates",
+                            409,
+                        )
+                    if agent.restore_root:
+                        extra += ["--root", agent.restore_root]
+                    restored = await criu_tools.restore(
+                        images,
+                        scratch / "restore.pid",
+                        criu=agent.criu_path,
+                        extra=extra,
+                        timeout=timeout,
+                    )
+            except CheckpointError as e:
+                raise AgentError(
+                    f"criu restore of {image} failed: {e}",
+                    "a PID or port of the checkpoint is taken on this node, or files it had open "
+                    "are missing; the image is kept: free them and restore again",
+                    500,
+                ) from e
+            # criu stays the restored tree's parent and reaps it; the agent keeps its handle
+            agent._restored = [r for r in agent._restored if r.reap() is None] + [restored]
+            pid = restored.pid
+            tree = [pid, *(c.pid for c in children(pid))]
+            detail: dict = {}
+            if target is not None:
+                moved = await asyncio.to_thread(target.adopt, tree)
+                if moved:
+                    self.log.warning(
+                        "restore into pod %s: pids %s were outside %s, moved in",
+                        key,
+                        moved,
+                        target.cgroup,
+                    )
+                detail.update(
+                    placeholder_pid=target.pid,
+                    namespaces=target.namespaces,
+                    cgroup="/" + str(target.cgroup.relative_to(agent.mapper.cgroup_root)),
+                )
+            resumed = await agent.cuda.resume(tree)
+            self.log.info(
+                "restored %s into pod %s as pid %d (%s, GPU pids %s) in %.1fs",
+                image,
+                key,
+                pid,
+                f"placeholder pid {target.pid}" if target else "agent namespaces",
+                resumed,
+                time.monotonic() - started,
+            )
+            remove_tree(scratch)
+            return Restored(pid=pid, node=agent.node_name, detail=detail)
+        except BaseException:
+            # the unpacked checkpoint holds the server's memory (and may be GiBs): gone at
+            # once; CRIU's log stays for the error message that names it
+            await asyncio.to_thread(keep_only_logs, scratch)
+            raise
+
+    # -- records: the service's ----------------------------------------------------------
+
+    def _no_records(self) -> CheckpointError:
+        return CheckpointError(
+            f"the node agent on {self.agent.node_name or 'this node'} keeps no list of "
+            "checkpoints: ask the service's KubernetesBackend, which records them"
+        )
+
+    async def latest(self, user: str, server_name: str) -> CheckpointInfo | None:
+        raise self._no_records()
+
+    async def list(self, user: str | None = None) -> list[CheckpointInfo]:
+        raise self._no_records()
+
+    async def delete(self, checkpoint_id: str) -> None:
+        raise self._no_records()
