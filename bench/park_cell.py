@@ -25,8 +25,8 @@ from common import machine, print_table, results_dir
 from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint  # noqa: E402
 from jupyterhub_gpusnap.gpu.park import park  # noqa: E402
 from jupyterhub_gpusnap.procs import tree_pids  # noqa: E402
+from tests.helpers.jupyter_server import JupyterServer  # noqa: E402
 from tests.helpers.kernel_ws import execute, new_kernel  # noqa: E402
-from tests.test_gpu_park import JupyterServer  # noqa: E402
 
 GiB = 1024**3
 

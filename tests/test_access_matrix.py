@@ -28,27 +28,10 @@ from urllib.parse import urlencode
 import pytest
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
+from tests.helpers.access_hub import EXTRA_HUB_CONFIG, SERVERS, start_hub_and_service
 from tests.helpers.gpusnap_service import GpuSnapService
 
 pytestmark = pytest.mark.e2e
-
-SETTINGS = """
-c.GpuSnap.interval = 1
-c.GpuSnap.idle_window = 3600
-c.GpuSnap.min_running = 3600
-c.GpuSnap.warn_before = 0
-c.GpuSnap.action = "stop"
-"""
-
-#: Users with gpusnap roles, and a Hub admin; they need no servers of their own.
-EXTRA_HUB_CONFIG = """
-c.JupyterHub.allow_named_servers = True
-c.Authenticator.admin_users = {"hank"}
-c.JupyterHub.load_roles.extend([
-    {"name": "gpusnap-readers", "users": ["rita"], "scopes": ["custom:gpusnap:read"]},
-    {"name": "gpusnap-admins", "users": ["adam"], "scopes": ["custom:gpusnap:admin"]},
-])
-"""
 
 CALLERS = [
     "anonymous", "other", "owner", "owner_server", "reader", "admin", "hub_admin", "service",
@@ -166,10 +149,6 @@ SUSPEND_ALLOWED = {
 }
 assert set(SUSPEND_ALLOWED) == {c for c, s in WRITE_SERVER.items() if s == 200}
 
-#: The servers running at the start; bob/spare is there to be suspended.
-SERVERS = ("alice/", "alice/lab", "bob/", "bob/spare")
-
-
 def server_token(pid: int) -> str:
     """The single-user server's own Hub token, from its process environment (we run as root)."""
     environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -201,28 +180,6 @@ async def call(hub, case: Case, token: str | None) -> tuple[int, dict, str]:
     if resp.code == 599:
         raise OSError(f"{case.method} {case.path}: {resp.error}")
     return resp.code, dict(resp.headers), resp.body.decode("utf8", "replace") if resp.body else ""
-
-
-async def start_hub_and_service(hub_factory, tmp_path, servers=SERVERS, settings: str = SETTINGS):
-    """A hub with ``servers`` running (spawned together), the readers/admins roles, and the service.
-
-    Returns (hub, service) once the service lists every one of them as running.
-    """
-    service = GpuSnapService(tmp_path / "gpusnap", settings)
-    hub = await hub_factory(service.hub_config() + EXTRA_HUB_CONFIG)
-    for user in {key.partition("/")[0] for key in servers}:
-        await hub.ensure_user(user)
-    await asyncio.gather(*(hub.start_server(*key.split("/")) for key in servers))
-    await service.start(hub)
-
-    async def all_seen():
-        code, data = await service.api("GET", "api/servers")
-        return code == 200 and {s["server"] for s in data["servers"] if s["running"]} == set(
-            servers
-        )
-
-    await service.wait_for(all_seen, what=f"the service to list {sorted(servers)}")
-    return hub, service
 
 
 async def caller_tokens(hub, service) -> dict[str, str | None]:

@@ -23,7 +23,8 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from test_access_matrix import start_hub_and_service
+
+from tests.helpers.access_hub import start_hub_and_service
 
 pytestmark = pytest.mark.e2e
 

@@ -1,54 +1,26 @@
 """Auto-unpark in the single-user server: a parked kernel that goes busy gets its GPU memory back.
 
 Real kernels (jupyter_server's kernel manager, ipykernel); the CUDA driver is the ctypes-level
-fake of tests/test_cuda_absent.py (no GPU here); tests/test_gpu.py covers the real driver.
+fake of tests/helpers/fake_gpu.py (no GPU here); tests/test_gpu.py covers the real driver.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from datetime import datetime
 
 import pytest
 from jupyter_server.services.kernels.kernelmanager import AsyncMappingKernelManager
-from test_cuda_absent import CHECKPOINTED, LOCKED, RUNNING, FakeLibcuda
 
 from jupyterhub_gpusnap.checkpoint import CheckpointError
 from jupyterhub_gpusnap.gpu.autounpark import AutoUnpark, kernel_pid
 from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
+from tests.helpers.fake_gpu import CHECKPOINTED, LOCKED, RUNNING, FakeLibcuda, SlowRestoreLibcuda
+from tests.helpers.kernel_manager import start_cell
 
 log = logging.getLogger("test")
-
-
-async def wait_state(km, kid, state, timeout=30):
-    for _ in range(int(timeout / 0.05)):
-        if km.get_kernel(kid).execution_state == state:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"kernel never became {state}")
-
-
-async def start_cell(km, kid, code):
-    """Run ``code`` in kernel ``kid`` and wait until the kernel manager sees it busy.
-
-    The manager's own view is waited on first: a cell sent before its iopub subscription
-    is up would go busy and idle unseen on a loaded machine. A kernel_info request makes
-    the kernel publish busy/idle; once the manager has seen that idle it is listening."""
-    client = km.get_kernel(kid).client()
-    client.start_channels()
-    for _ in range(600):
-        client.kernel_info()
-        await asyncio.sleep(0.05)
-        if km.get_kernel(kid).execution_state == "idle":
-            break
-    else:
-        raise AssertionError("the kernel manager never saw the kernel idle")
-    client.execute(code)
-    await wait_state(km, kid, "busy")
-    return client
 
 
 async def test_busy_parked_kernel_is_unparked_and_idle_ones_are_not(tmp_path):
@@ -84,20 +56,6 @@ async def test_without_a_driver_nothing_runs(tmp_path):
     watcher.start()
     assert watcher._task is None
     assert watcher.parked_kernels() == {}
-
-
-class SlowRestoreLibcuda(FakeLibcuda):
-    """The fake driver, whose restore of GPU memory waits until ``go`` is set (a big restore)."""
-
-    def __init__(self, pids):
-        super().__init__(pids)
-        self.go = threading.Event()
-        self.restoring = threading.Event()
-
-    def cuCheckpointProcessRestore(self, pid, ref):
-        self.restoring.set()
-        self.go.wait(30)
-        return super().cuCheckpointProcessRestore(pid, ref)
 
 
 async def test_the_state_says_resuming_while_an_unpark_runs(tmp_path):

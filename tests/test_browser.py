@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 from playwright.async_api import async_playwright, expect
-from test_serverext import spawner_environment, stop_recorded
 
-from tests.helpers.gpusnap_service import GpuSnapService
+from tests.helpers.extension_env import spawner_environment
+from tests.helpers.gpusnap_service import GpuSnapService, stop_recorded
 from tests.helpers.realhub import TEST_PASSWORD
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]

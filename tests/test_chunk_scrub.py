@@ -7,7 +7,6 @@ import logging
 import os
 
 import pytest
-from conftest import TREE_PROGRAM
 
 from jupyterhub_gpusnap import metrics
 from jupyterhub_gpusnap.checkpoint import CheckpointError
@@ -16,15 +15,10 @@ from jupyterhub_gpusnap.checkpoint.keys import new_key_line
 from jupyterhub_gpusnap.checkpoint.local import REPLICAS, LocalBackend
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest
 from jupyterhub_gpusnap.model import Server
+from tests.helpers.process_tree import SHARED_TREE
+from tests.helpers.shared_chunks import chunk_ids, suspend_two
 
 pytestmark = pytest.mark.criu
-
-# The test tree holding 4 MiB that every copy of it holds alike (a model's weights, say):
-# two servers' snapshots then share those chunks. Every answer carries their sha256.
-SHARED_TREE = TREE_PROGRAM.replace(
-    'state = {"secret"',
-    'import hashlib\nweights = random.Random(7).randbytes(4 << 20)\nstate = {"secret"',
-).replace("reply = dict(state,", "reply = dict(state, weights=hashlib.sha256(weights).hexdigest(),")
 
 
 def counter(name: str, **labels: str) -> float:
@@ -49,26 +43,6 @@ def make_backend(tmp_path, **kw) -> LocalBackend:
     return LocalBackend(
         checkpoint_dir=str(tmp_path / "ckpt"), min_free_bytes=0, storage="chunks", **kw
     )
-
-
-def chunk_ids(backend, info) -> dict[str, int]:
-    m = Manifest.load(backend.folder(info.id))
-    return {cid: n for refs in m.chunks.values() for cid, n in refs}
-
-
-async def suspend_two(backend, process_tree):
-    """alice's and bob's servers, the same program, suspended: (trees, infos, shared ids)."""
-    trees, infos, before = [], [], []
-    for user in ("alice", "bob"):
-        tree = process_tree(pidns=True, program=SHARED_TREE)
-        await tree.wait_ready()
-        before.append(await tree.ask("inc"))
-        infos.append(await backend.checkpoint(Server(user=user, name="", state={"pid": tree.pid})))
-        trees.append(tree)
-    a, b = (chunk_ids(backend, i) for i in infos)
-    shared = sorted(set(a) & set(b), key=lambda c: -a[c])
-    assert sum(a[c] for c in shared) >= 3 << 20, "the weights are not stored once for both"
-    return trees, infos, before, shared
 
 
 async def restore_both_intact(backend, trees, infos, before):

@@ -9,23 +9,16 @@ processes.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import subprocess
 import time
-from types import SimpleNamespace
 
 import psutil
-import pynvml
 import pytest
 
 from jupyterhub_gpusnap.checkpoint.base import CheckpointError, CheckpointRefused
 from jupyterhub_gpusnap.gpu.cuda import (
-    CUcheckpointCheckpointArgs,
-    CUcheckpointLockArgs,
-    CUcheckpointRestoreArgs,
-    CUcheckpointUnlockArgs,
     CudaCheckpoint,
     GpuBusy,
 )
@@ -34,145 +27,7 @@ from jupyterhub_gpusnap.gpu.park import GiB, Parking, ParkResult, check_host_mem
 from jupyterhub_gpusnap.model import Server
 from jupyterhub_gpusnap.procs import tree_pids
 from jupyterhub_gpusnap.signals.nvml import NvmlSignal
-
-RUNNING, LOCKED, CHECKPOINTED = 0, 1, 2
-
-
-class FakeLibcuda:
-    """The checkpoint API of libcuda.so.1 as ctypes sees it: ``f(pid, byref(args)) -> CUresult``.
-
-    ``states`` holds the CUprocessState of each pid with a CUDA context. Arguments are
-    checked as the driver documents them: 64-byte structs whose reserved fields are zero.
-    """
-
-    def __init__(self, pids):
-        self.states = {pid: RUNNING for pid in pids}
-        self.calls: list[tuple[str, int]] = []
-        self.timeouts: list[int] = []
-        self.busy: set[int] = set()
-        self.fail_checkpoint: set[int] = set()
-        self.fail_restore: set[int] = set()
-
-    @staticmethod
-    def _alive(pid):
-        try:
-            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        except psutil.NoSuchProcess:
-            return False
-
-    @staticmethod
-    def _args(ref, cls, skip=0):
-        obj = ref._obj
-        assert type(obj) is cls
-        assert ctypes.sizeof(obj) == 64
-        assert bytes(obj)[skip:] == bytes(64 - skip), "reserved fields must be zero"
-        return obj
-
-    def cuInit(self, flags):
-        assert flags == 0
-        return 0
-
-    def cuDriverGetVersion(self, ref):
-        ref._obj.value = 13000
-        return 0
-
-    def cuCheckpointProcessGetState(self, pid, ref):
-        if pid not in self.states or not self._alive(pid):
-            return 1  # CUDA_ERROR_INVALID_VALUE
-        ref._obj.value = self.states[pid]
-        return 0
-
-    def _step(self, name, pid, want, new, fail_code=None):
-        self.calls.append((name, pid))
-        if pid not in self.states or not self._alive(pid):
-            return 1
-        if self.states[pid] != want:
-            return 401  # CUDA_ERROR_ILLEGAL_STATE
-        if fail_code is not None:
-            return fail_code
-        self.states[pid] = new
-        return 0
-
-    def cuCheckpointProcessLock(self, pid, ref):
-        args = self._args(ref, CUcheckpointLockArgs, skip=4)
-        self.timeouts.append(args.timeoutMs)
-        return self._step("lock", pid, RUNNING, LOCKED, 600 if pid in self.busy else None)
-
-    def cuCheckpointProcessCheckpoint(self, pid, ref):
-        self._args(ref, CUcheckpointCheckpointArgs)
-        fail = 999 if pid in self.fail_checkpoint else None
-        return self._step("checkpoint", pid, LOCKED, CHECKPOINTED, fail)
-
-    def cuCheckpointProcessRestore(self, pid, ref):
-        self._args(ref, CUcheckpointRestoreArgs)
-        fail = 2 if pid in self.fail_restore else None  # CUDA_ERROR_OUT_OF_MEMORY
-        return self._step("restore", pid, CHECKPOINTED, LOCKED, fail)
-
-    def cuCheckpointProcessUnlock(self, pid, ref):
-        self._args(ref, CUcheckpointUnlockArgs)
-        return self._step("unlock", pid, LOCKED, RUNNING)
-
-
-class FakeNvmlLib:
-    """The pynvml functions the project calls, answering for made-up devices.
-
-    ``devices``: dicts with ``name``, ``procs`` ({pid: bytes}), ``samples``
-    ([(timestamp, pid, smUtil)]), ``util`` (device percent), ``per_process`` (supported),
-    and optionally ``total`` and ``free`` (bytes; default 80 and 70 GiB) and ``uuid``
-    (without it nvmlDeviceGetUUID answers NOT_SUPPORTED).
-    """
-
-    def __init__(self, devices):
-        self.devices = devices
-
-    def nvmlInit(self):
-        pass
-
-    def nvmlShutdown(self):
-        pass
-
-    def nvmlDeviceGetCount(self):
-        return len(self.devices)
-
-    def nvmlDeviceGetHandleByIndex(self, i):
-        return i
-
-    def nvmlSystemGetDriverVersion(self):
-        return "580.159.04"
-
-    def nvmlDeviceGetName(self, h):
-        return self.devices[h]["name"]
-
-    def nvmlDeviceGetMemoryInfo(self, h):
-        dev = self.devices[h]
-        total, free = dev.get("total", 80 * GiB), dev.get("free", 70 * GiB)
-        return SimpleNamespace(total=total, free=free, used=total - free)
-
-    def nvmlDeviceGetUUID(self, h):
-        if "uuid" not in self.devices[h]:
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return self.devices[h]["uuid"]
-
-    def nvmlDeviceGetComputeRunningProcesses(self, h):
-        return [
-            SimpleNamespace(pid=p, usedGpuMemory=b) for p, b in self.devices[h]["procs"].items()
-        ]
-
-    def nvmlDeviceGetProcessUtilization(self, h, since):
-        dev = self.devices[h]
-        if not dev.get("per_process", True):
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        new = [
-            SimpleNamespace(pid=p, timeStamp=ts, smUtil=sm, memUtil=0, encUtil=0, decUtil=0)
-            for ts, p, sm in dev["samples"]
-            if ts > since
-        ]
-        if not new:
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
-        return new
-
-    def nvmlDeviceGetUtilizationRates(self, h):
-        return SimpleNamespace(gpu=self.devices[h]["util"], memory=0)
+from tests.helpers.fake_gpu import CHECKPOINTED, RUNNING, FakeLibcuda, FakeNvmlLib
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ import logging
 
 import pytest
 from jupyterhub_idle_culler import cull_idle
-from test_service_e2e import open_tab, send_execute
 
 from jupyterhub_gpusnap.culler_hook import GpuSnapArbiter
+from tests.helpers.browser_tab import open_tab, send_execute
 
 pytestmark = pytest.mark.e2e
 

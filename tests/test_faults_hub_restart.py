@@ -23,12 +23,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_restore_e2e import service_backend, snap_config
 
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest
 from jupyterhub_gpusnap.model import Server
 from jupyterhub_gpusnap.procs import is_alive
 from tests.helpers.gpusnap_service import GpuSnapService
+from tests.helpers.local_hub import service_backend, snap_config
 from tests.helpers.smtp_server import SmtpServer
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.criu]

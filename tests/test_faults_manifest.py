@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from test_restore_e2e import ProgressReader, service_backend, snap_config, suspend
 
 from jupyterhub_gpusnap import metrics
 from jupyterhub_gpusnap.checkpoint.manifest import MANIFEST
@@ -27,6 +26,7 @@ from jupyterhub_gpusnap.model import State
 from jupyterhub_gpusnap.policy import Policy, Rule, ServerStatus
 from jupyterhub_gpusnap.store import Store
 from jupyterhub_gpusnap.watcher import Watcher
+from tests.helpers.local_hub import ProgressReader, service_backend, snap_config, suspend
 
 pytestmark = [pytest.mark.faults, pytest.mark.e2e, pytest.mark.criu]
 

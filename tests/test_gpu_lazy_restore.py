@@ -16,10 +16,10 @@ import asyncio
 import pwd
 
 import pytest
-from test_gpu_notebook import ALLOCATE, GiB, gpu_used
-from test_restore_e2e import service_backend, suspend
 
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest
+from tests.helpers.gpu_notebook import ALLOCATE, GiB, gpu_used
+from tests.helpers.local_hub import service_backend, suspend
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e, pytest.mark.criu]
 

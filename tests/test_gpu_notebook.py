@@ -19,37 +19,14 @@ import pwd
 
 import pynvml
 import pytest
-from test_suspend_e2e import settings
 
 from jupyterhub_gpusnap.procs import tree_pids
+from tests.helpers.gpu_notebook import ALLOCATE, GiB, gpu_used
 from tests.helpers.gpusnap_service import GpuSnapService
+from tests.helpers.local_hub import settings
 from tests.helpers.smtp_server import SmtpServer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e, pytest.mark.criu]
-
-GiB = 1 << 30
-
-ALLOCATE = """
-import hashlib, os, torch
-xs = [torch.randn(GiB // 4, device="cuda", generator=torch.Generator("cuda").manual_seed(i))
-      for i in range(N)]
-def digest():
-    h = hashlib.sha256()
-    for t in xs:
-        h.update(t.cpu().numpy().tobytes())
-    return h.hexdigest()
-x = 42
-torch.cuda.synchronize()
-print(digest(), os.getuid())
-""".replace("GiB", str(GiB)).replace("N", "1")
-
-
-def gpu_used() -> tuple[int, set[int]]:
-    """(bytes used on GPU 0, pids holding a compute context there)."""
-    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
-    used = pynvml.nvmlDeviceGetMemoryInfo(handle).used
-    pids = {p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)}
-    return used, pids
 
 
 async def test_gpu_notebook_is_suspended_by_the_service_and_comes_back(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jupyterhub_gpusnap.app import GpuSnap
+from tests.helpers.shared_chunks import suspend_two
 from tests.helpers.smtp_server import SmtpServer
 
 pytestmark = pytest.mark.email
@@ -84,8 +85,6 @@ async def test_housekeeping_runs_the_chunk_scrub_and_a_failed_scrub_is_logged_no
     """Two users' snapshots share chunks: the service's housekeeping starts the backend's
     scrub, which stores those chunks twice. A scrub that fails (here its state file cannot
     be written) is logged; housekeeping goes on, and the next round scrubs again."""
-    from test_chunk_scrub import suspend_two
-
     from jupyterhub_gpusnap.checkpoint.chunks import PLAIN
     from jupyterhub_gpusnap.checkpoint.scrub import STATE
 

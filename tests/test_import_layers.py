@@ -236,3 +236,57 @@ def test_the_check_finds_a_bad_edge(tmp_path, importer, source, problem):
         assert importer.split("/")[0].removesuffix(".py") in upward(edges)[0]
     else:
         assert loops(edges) == [["policy", "store"]]
+
+
+# ---------------------------------------------------------------- the tests' own imports
+
+TESTS = Path(__file__).resolve().parent
+
+
+def imported_test_modules(path: Path) -> list[str]:
+    """The test modules (``test_*``, ``conftest``) the file at ``path`` imports, as
+    ``name:line``; what tests share lives in ``tests/helpers/`` instead."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] + [a.name for a in node.names if not node.module]
+        else:
+            continue
+        for name in names:
+            last = name.split(".")[-1]
+            if last.startswith("test_") or last == "conftest":
+                found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_no_test_module_imports_another():
+    """A test module imports shared fakes and helpers from ``tests/helpers/``, never from
+    another test module or conftest (nor does a bench)."""
+    files = sorted(TESTS.rglob("*.py")) + sorted((TESTS.parent / "bench").rglob("*.py"))
+    bad = {
+        str(p.relative_to(TESTS.parent)): found
+        for p in files
+        if (found := imported_test_modules(p))
+    }
+    assert bad == {}
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from test_policy import T0\n",
+        "from tests.test_restore_e2e import suspend\n",
+        "import tests.test_gpu_park\n",
+        "from conftest import TREE_PROGRAM\n",
+        "from . import test_policy\n",
+        "def f():\n    from test_chunk_scrub import suspend_two\n",
+    ],
+)
+def test_the_check_finds_a_test_module_imported(tmp_path, source):
+    path = tmp_path / "test_x.py"
+    path.write_text("from tests.helpers.policy_samples import T0\nimport pytest\n")
+    assert imported_test_modules(path) == []
+    path.write_text(source)
+    assert len(imported_test_modules(path)) == 1

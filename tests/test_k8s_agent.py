@@ -15,7 +15,6 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from test_cuda_absent import CHECKPOINTED, RUNNING, FakeLibcuda, FakeNvmlLib
 from tornado.httpclient import AsyncHTTPClient
 
 from jupyterhub_gpusnap.agent.pods import CpuMeter, container_id, parse_cgroup, parse_cpu_stat
@@ -29,6 +28,7 @@ from jupyterhub_gpusnap.policy import Policy, Rule, ServerStatus
 from jupyterhub_gpusnap.signals.agent import AgentSignal
 from jupyterhub_gpusnap.store import Store
 from jupyterhub_gpusnap.watcher import Watcher
+from tests.helpers.fake_gpu import CHECKPOINTED, RUNNING, FakeLibcuda, FakeNvmlLib
 from tests.helpers.fake_kube import (
     AGENT_SECRET,
     NODE,

@@ -12,8 +12,6 @@ import logging
 import time
 
 import pytest
-from test_cuda_absent import CHECKPOINTED, RUNNING, FakeLibcuda
-from test_make_room import SharedGpus, U, metric
 
 from jupyterhub_gpusnap.checkpoint.kubernetes import KubernetesBackend
 from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
@@ -23,8 +21,10 @@ from jupyterhub_gpusnap.model import Server, State
 from jupyterhub_gpusnap.policy import Policy, Rule, ServerStatus
 from jupyterhub_gpusnap.store import Store
 from jupyterhub_gpusnap.watcher import Watcher
+from tests.helpers.fake_gpu import CHECKPOINTED, RUNNING, FakeLibcuda, SharedGpus, U
 from tests.helpers.fake_kube import NODE, Cluster
 from tests.helpers.gpusnap_service import GpuSnapService
+from tests.helpers.metrics import metric
 
 pytestmark = pytest.mark.k8s
 

@@ -17,7 +17,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from test_restore_e2e import service_backend, snap_config, suspend
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from jupyterhub_gpusnap.checkpoint import lazy
@@ -25,6 +24,7 @@ from jupyterhub_gpusnap.checkpoint.chunks import STORE
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest, is_pages_file
 from jupyterhub_gpusnap.checkpoint.page_sums import sums_name
 from jupyterhub_gpusnap.checkpoint.pagemap import read_pagemaps
+from tests.helpers.local_hub import service_backend, snap_config, suspend
 
 pytestmark = [pytest.mark.e2e, pytest.mark.criu]
 

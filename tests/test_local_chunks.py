@@ -10,7 +10,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import TREE_PROGRAM
 
 from jupyterhub_gpusnap.checkpoint import CheckpointError
 from jupyterhub_gpusnap.checkpoint.chunks import STORE
@@ -21,6 +20,7 @@ from jupyterhub_gpusnap.keys_cli import keys_in_use
 from jupyterhub_gpusnap.keys_cli import main as keys_main
 from jupyterhub_gpusnap.model import Server
 from jupyterhub_gpusnap.unpack_cli import main as unpack_main
+from tests.helpers.process_tree import TREE_PROGRAM
 
 pytestmark = pytest.mark.criu
 

@@ -17,12 +17,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import TREE_PROGRAM
 
 from jupyterhub_gpusnap.checkpoint.chunks import STORE
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend
 from jupyterhub_gpusnap.checkpoint.manifest import MANIFEST
 from jupyterhub_gpusnap.model import Server
+from tests.helpers.process_tree import TREE_PROGRAM
 
 pytestmark = pytest.mark.criu
 

@@ -2,7 +2,7 @@
 
 On demand (the admin API) and by itself each tick (``Watcher.min_free_gpu_memory``, per GPU).
 Real processes stand in for the servers; the CUDA driver and NVML are the ctypes-level fakes
-of tests/test_cuda_absent.py (no GPU here; tests/test_gpu_park.py parks on a real GPU).
+of tests/helpers/fake_gpu.py (no GPU here; tests/test_gpu_park.py parks on a real GPU).
 """
 
 from __future__ import annotations
@@ -10,19 +10,18 @@ from __future__ import annotations
 import logging
 import subprocess
 import time
-from types import SimpleNamespace
 
 import pytest
-from test_cuda_absent import CHECKPOINTED, RUNNING, FakeLibcuda, FakeNvmlLib
 from traitlets import TraitError
 
-from jupyterhub_gpusnap import metrics
 from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
 from jupyterhub_gpusnap.gpu.nvml import Nvml
 from jupyterhub_gpusnap.model import Server, State
 from jupyterhub_gpusnap.policy import Policy, Rule, ServerStatus
 from jupyterhub_gpusnap.store import Store
 from jupyterhub_gpusnap.watcher import Watcher
+from tests.helpers.fake_gpu import CHECKPOINTED, RUNNING, FakeLibcuda, FakeNvmlLib, SharedGpus, U
+from tests.helpers.metrics import metric
 
 GiB = 1024**3
 log = logging.getLogger("test")
@@ -97,36 +96,6 @@ async def test_stops_as_soon_as_enough_and_says_when_it_is_not(tmp_path, three):
 # --- min_free_gpu_memory: make room by itself, each tick ---------------------------------------
 
 
-U = 32 * 1024**2  # the unit of the made-up GPUs below: parks move real host RAM's worth of it
-
-
-class SharedGpus(FakeNvmlLib):
-    """NVML over made-up GPUs of 80 U whose memory follows the fake driver.
-
-    As on a real GPU (FACTS: after a checkpoint the process is gone from
-    nvmlDeviceGetComputeRunningProcesses and its memory is free), a checkpointed pid
-    holds nothing. ``other`` is memory held by processes that are no server's.
-    """
-
-    def __init__(self, driver, devices):
-        super().__init__(devices)
-        self.driver = driver
-
-    def _live(self, h):
-        return {
-            p: b
-            for p, b in self.devices[h]["procs"].items()
-            if self.driver.states.get(p) != CHECKPOINTED
-        }
-
-    def nvmlDeviceGetComputeRunningProcesses(self, h):
-        return [SimpleNamespace(pid=p, usedGpuMemory=b) for p, b in self._live(h).items()]
-
-    def nvmlDeviceGetMemoryInfo(self, h):
-        used = sum(self._live(h).values()) + self.devices[h].get("other", 0)
-        return SimpleNamespace(total=80 * U, free=80 * U - used, used=used)
-
-
 @pytest.fixture
 def five():
     procs = [subprocess.Popen(["sleep", "60"]) for _ in range(5)]
@@ -152,10 +121,6 @@ def shared_watcher(tmp_path, servers, devices, **traits):
         store.put(ServerStatus(key=server.key, user=user, state=state, state_since=now, last_active=now - idle,
                                started=now - 7200, last_sample={"gpu_memory_bytes": held}))  # fmt: skip
     return watcher, driver
-
-
-def metric(name, **labels):
-    return metrics.REGISTRY.get_sample_value(name, labels) or 0
 
 
 async def test_min_free_gpu_memory_parks_the_longest_idle_on_the_short_gpu_only(tmp_path, five):

@@ -7,10 +7,10 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_restore_e2e import snap_config
 
 from jupyterhub_gpusnap.handlers.pages import badge_state, state_words
 from tests.helpers.gpusnap_service import GpuSnapService
+from tests.helpers.local_hub import snap_config
 
 SINCE = "2026-01-02T03:04:05Z"
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from test_policy import T0, quiet, status
 
 from jupyterhub_gpusnap.model import State
 from jupyterhub_gpusnap.policy import Rule, decide, step
 from jupyterhub_gpusnap.signals.interaction import InteractionLog
+from tests.helpers.policy_samples import T0, quiet, status
 
 RULE = Rule(idle_window=3600, warn_before=600, min_running=0, interaction_window=1800)
 

@@ -13,12 +13,12 @@ import zlib
 
 import pytest
 import scale  # noqa: E402  (bench/scale.py)
-from test_cuda_absent import FakeLibcuda  # noqa: E402
-from test_make_room import SharedGpus, U, metric  # noqa: E402
 
 from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint  # noqa: E402
 from jupyterhub_gpusnap.gpu.nvml import Nvml  # noqa: E402
 from jupyterhub_gpusnap.model import State  # noqa: E402
+from tests.helpers.fake_gpu import FakeLibcuda, SharedGpus, U
+from tests.helpers.metrics import metric
 
 pytestmark = pytest.mark.e2e
 

@@ -17,19 +17,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_autounpark import SlowRestoreLibcuda, start_cell
-from test_cuda_absent import CHECKPOINTED, RUNNING
 from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 
 from jupyterhub_gpusnap.gpu.autounpark import AutoUnpark, kernel_pid
 from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
 from jupyterhub_gpusnap.serverext import service_url_from_env
-from tests.helpers.gpusnap_service import GpuSnapService
+from tests.helpers.extension_env import jupyter_paths, spawner_environment
+from tests.helpers.fake_gpu import CHECKPOINTED, RUNNING, SlowRestoreLibcuda
+from tests.helpers.gpusnap_service import GpuSnapService, stop_recorded
+from tests.helpers.kernel_manager import start_cell
 from tests.helpers.realhub import free_port
 
 pytestmark = pytest.mark.e2e
-
-PACKAGE = Path(__file__).resolve().parent.parent / "jupyterhub_gpusnap"
 
 SETTINGS = """
 c.GpuSnap.interval = 1
@@ -39,31 +38,6 @@ c.GpuSnap.warn_before = 600
 c.GpuSnap.max_keep_running = 7200
 c.GpuSnap.action = "stop"
 """
-
-
-def jupyter_paths(root: Path) -> dict:
-    """JUPYTER_CONFIG_PATH / JUPYTER_PATH holding what `pip install` puts under sys.prefix:
-    the config file that enables the server extension, and the built Lab extension."""
-    config = root / "etc"
-    (config / "jupyter_server_config.d").mkdir(parents=True, exist_ok=True)
-    shutil.copy(
-        PACKAGE / "serverext" / "etc" / "jupyterhub_gpusnap.json",
-        config / "jupyter_server_config.d" / "jupyterhub_gpusnap.json",
-    )
-    data = root / "share"
-    (data / "labextensions").mkdir(parents=True, exist_ok=True)
-    link = data / "labextensions" / "jupyterhub-gpusnap"
-    if not link.exists():
-        link.symlink_to(PACKAGE / "labextension", target_is_directory=True)
-    return {"JUPYTER_CONFIG_PATH": str(config), "JUPYTER_PATH": str(data)}
-
-
-def spawner_environment(service: GpuSnapService, root: Path, **extra: str) -> str:
-    """c.Spawner.environment: the extension's files, and where the service is."""
-    env = jupyter_paths(root)
-    env.update(extra)
-    env["GPUSNAP_SERVICE_URL"] = f"http://127.0.0.1:{service.port}/services/gpusnap/"
-    return f"c.Spawner.environment = {env!r}\n"
 
 
 @pytest.fixture
@@ -86,12 +60,6 @@ async def watched(hub, service, user="alice"):
     return await service.wait_for(
         seen, what=f"{user}'s server to be watched, through the extension"
     )
-
-
-async def stop_recorded(service: GpuSnapService, key: str) -> bool:
-    code, data = await service.api("GET", f"api/events?server={key}")
-    assert code == 200, data
-    return "stop" in [e["kind"] for e in data["events"]]
 
 
 async def last_activity(hub, user="alice") -> str:

@@ -5,14 +5,11 @@ Windows are a few seconds long so the tests run quickly; nothing is faked.
 
 from __future__ import annotations
 
-import json
-import uuid
 from datetime import datetime, timezone
 
 import pytest
-from tornado.httpclient import HTTPRequest
-from tornado.websocket import websocket_connect
 
+from tests.helpers.browser_tab import open_tab, send_execute
 from tests.helpers.gpusnap_service import GpuSnapService
 
 pytestmark = pytest.mark.e2e
@@ -26,45 +23,6 @@ c.GpuSnap.action = "stop"
 c.GpuSnap.cpu_threshold = 20
 c.GpuSnap.rules = [{"name": "vip", "users": ["dave"], "exempt": True}]
 """
-
-
-async def open_tab(hub, user: str, kernel_id: str):
-    """What a forgotten browser tab does: a kernel websocket kept open, pinging every 0.5 s."""
-    token = await hub._default_user_token(user)
-    url = hub.server_url(user).replace("http://", "ws://", 1)
-    url += f"api/kernels/{kernel_id}/channels?session_id={uuid.uuid4().hex}"
-    return await websocket_connect(
-        HTTPRequest(url, headers={"Authorization": f"token {token}"}), ping_interval=0.5
-    )
-
-
-async def send_execute(ws, code: str) -> None:
-    """Submit a cell without waiting for it (a long silent cell)."""
-    session = uuid.uuid4().hex
-    ws.write_message(
-        json.dumps(
-            {
-                "header": {
-                    "msg_id": uuid.uuid4().hex,
-                    "username": "",
-                    "session": session,
-                    "msg_type": "execute_request",
-                    "version": "5.3",
-                    "date": datetime.now(timezone.utc).isoformat(),
-                },
-                "parent_header": {},
-                "metadata": {},
-                "channel": "shell",
-                "content": {
-                    "code": code,
-                    "silent": False,
-                    "store_history": True,
-                    "user_expressions": {},
-                    "allow_stdin": False,
-                },
-            }
-        )
-    )
 
 
 async def status_last_activity(hub, user: str) -> str:

@@ -7,9 +7,9 @@ the same data: the Hub's restore read the replicas and repaired the chunks."""
 from __future__ import annotations
 
 import pytest
-from test_restore_e2e import service_backend, snap_config, suspend
 
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest
+from tests.helpers.local_hub import service_backend, snap_config, suspend
 
 pytestmark = [pytest.mark.e2e, pytest.mark.criu]
 

@@ -8,37 +8,13 @@ kernel answers 42. Exactly one email of each kind arrives.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from test_restore_e2e import snap_config
 
 from tests.helpers.gpusnap_service import GpuSnapService
+from tests.helpers.local_hub import settings, snap_config
 from tests.helpers.smtp_server import SmtpServer
 
 pytestmark = [pytest.mark.e2e, pytest.mark.criu, pytest.mark.email]
-
-
-def settings(ckpt: Path, smtp: SmtpServer) -> str:
-    return f"""
-c.GpuSnap.interval = 1
-c.GpuSnap.idle_window = 8
-c.GpuSnap.warn_before = 3
-c.GpuSnap.min_running = 0
-c.LocalBackend.checkpoint_dir = {str(ckpt)!r}
-c.LocalBackend.min_free_bytes = 0
-c.GpuSnap.email = True
-c.Mailer.smtp_host = "127.0.0.1"
-c.Mailer.smtp_port = {smtp.port}
-c.Mailer.smtp_security = "starttls"
-c.Mailer.smtp_username = {smtp.username!r}
-c.Mailer.smtp_password = {smtp.password!r}
-c.Mailer.tls_ca_file = {str(smtp.ca_file)!r}
-c.Mailer.from_address = "gpusnap@example.org"
-c.Notifier.address_from = "template"
-c.Notifier.address_template = "{{username}}@example.org"
-c.Notifier.send_restored = True
-"""
 
 
 async def test_idle_server_is_suspended_by_the_service_and_restored_on_return(hub_factory, tmp_path):

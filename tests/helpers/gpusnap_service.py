@@ -165,3 +165,9 @@ c.JupyterHub.load_roles = [
         raise AssertionError(
             f"timed out waiting for {what}\n--- service log:\n{self.log_text()[-5000:]}"
         )
+
+
+async def stop_recorded(service: GpuSnapService, key: str) -> bool:
+    code, data = await service.api("GET", f"api/events?server={key}")
+    assert code == 200, data
+    return "stop" in [e["kind"] for e in data["events"]]
