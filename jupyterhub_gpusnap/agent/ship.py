@@ -160,7 +160,7 @@ def pvc_folder(target: dict, pvc_paths: list[str]) -> Path:
     if not allowed:
         raise AgentError(
             "checkpoints to a PVC are off on this agent: AgentApp.pvc_paths is empty",
-            "mount the snapshot PVC into the agent pod and list its folder in "
+            "mount the checkpoint PVC into the agent pod and list its folder in "
             "AgentApp.pvc_paths (e.g. ['/snapshots'])",
             403,
         )
@@ -348,7 +348,7 @@ class PvcStore(ArchiveStore):
         if folder is None or not folder.is_dir():
             raise AgentError(
                 f"PVC path {folder} is not a folder on this node",
-                "mount the snapshot PVC into the agent pod at target.path",
+                "mount the checkpoint PVC into the agent pod at target.path",
                 400,
             )
         name = oci.tag_for(server or archive.stem, created)
@@ -417,7 +417,7 @@ class PvcStore(ArchiveStore):
 def _pvc_unreadable(image: str, e: Exception) -> AgentError:
     return AgentError(
         f"cannot read checkpoint {image}: {e}",
-        "mount the snapshot PVC into the agent pod at the same path",
+        "mount the checkpoint PVC into the agent pod at the same path",
         404,
     )
 

@@ -105,16 +105,16 @@ class LocalBackend(
         2,
         help="""Checkpoints kept per server (newest first) by retention, of those no one needs
         any more (restored ones, and failed suspensions, whose server kept running). It never
-        deletes the snapshot of a suspended server (kept until it is restored) nor a snapshot
+        deletes the checkpoint of a suspended server (kept until it is restored) nor a checkpoint
         whose restore failed (kept max_age_days from the failure, for an admin to rescue).""",
     ).tag(config=True)
 
     max_age_days = Float(
         30.0,
-        help="""Days a snapshot whose restore failed is kept after the failure, whatever
+        help="""Days a checkpoint whose restore failed is kept after the failure, whatever
         keep_last says, so an admin can rescue its work (docs/operations.md); emails quote
         this number. Other checkpoints no one needs are deleted once older than this too. A
-        suspended server's snapshot is never deleted by age: it is kept until it is restored
+        suspended server's checkpoint is never deleted by age: it is kept until it is restored
         (or its server is deleted).""",
     ).tag(config=True)
 
@@ -177,7 +177,7 @@ class LocalBackend(
         help="""Seconds a restore waits for the suspended server's old processes to be gone
         and its port to be free again (a server holding much memory takes seconds to exit).
         If the port is still taken then, the spawn fails naming the process that holds it,
-        and the snapshot stays restorable: stop that process and start the server again.""",
+        and the checkpoint stays restorable: stop that process and start the server again.""",
     ).tag(config=True)
 
     dump_timeout = Float(
@@ -231,7 +231,7 @@ class LocalBackend(
         help="""How images are kept. 'files': CRIU's image files as written (nothing to set
         up beyond CRIU; the fastest restore of incompressible data and on hosts with few
         cores). 'chunks': cut into content-defined chunks, zstd-compressed in parallel and
-        stored once under <checkpoint_dir>/.chunks, so data shared between snapshots (the
+        stored once under <checkpoint_dir>/.chunks, so data shared between checkpoints (the
         same model in many servers, a server suspended again) takes disk space once; model
         weights restore faster than from 'files' on many-core hosts (raise
         fs.pipe-max-size, see restore_pipe_bytes); needed for encryption_key_file. Existing
@@ -252,7 +252,7 @@ class LocalBackend(
         2 << 20,
         help="""Average chunk size for storage = 'chunks' (a power of two, >= 64 KiB; chunks
         are between a quarter and four times this). Smaller finds more shared data between
-        snapshots but costs more per-chunk work and files; 2 MiB suits GPU servers.""",
+        checkpoints but costs more per-chunk work and files; 2 MiB suits GPU servers.""",
     ).tag(config=True)
 
     @validate("average_chunk_bytes")
@@ -288,10 +288,11 @@ class LocalBackend(
         suspension (one more read of the image and 0.8-1.3 CPU-seconds per GiB, in the
         background; a restore that comes first is eager). A damaged page found after the
         server runs kills the restored server (no process runs on wrong memory): the
-        snapshot is marked failed naming the damaged block or chunk, and the next start is
-        a fresh server. GPU memory is restored after the processes run, before the server
-        is handed out. Falls back to an eager restore (logged) when the snapshot has no page
-        checksums or CRIU cannot restore lazily (needs 'criu check --feature uffd-noncoop').
+        checkpoint is marked failed naming the damaged block or chunk, and the next start is
+        a fresh server. GPU memory is restored once every page is in, behind the server's
+        first answer (a cell that touches the GPU waits for it). Falls back to an eager
+        restore (logged) when the checkpoint has no page checksums or CRIU cannot restore
+        lazily (needs 'criu check --feature uffd-noncoop').
         Set it the same in the service's and the Hub's configuration
         (docs/lazy-restore.md).""",
     ).tag(config=True)
@@ -340,7 +341,7 @@ class LocalBackend(
     verify_dedup = Bool(
         True,
         help="""storage = 'chunks': when a checkpoint finds one of its chunks stored already
-        (the same data in another snapshot), read the stored copy back and check it before
+        (the same data in another checkpoint), read the stored copy back and check it before
         trusting it; a damaged copy is replaced by the fresh data (a repair, counted in
         gpusnap_chunks_damaged_total{found_by="write"}). Costs a read of the shared data per
         suspension (docs/operations.md, 'Scrub and repair', has the figures); off trusts the
@@ -359,9 +360,9 @@ class LocalBackend(
     replicate_min_servers = Integer(
         2,
         min=0,
-        help="""storage = 'chunks': a chunk that the snapshots of at least this many servers
+        help="""storage = 'chunks': a chunk that the checkpoints of at least this many servers
         need (suspended ones, and failed restores kept for rescue) is stored twice, in
-        replica_dir, so that one damaged copy breaks no restore: the more snapshots depend on
+        replica_dir, so that one damaged copy breaks no restore: the more checkpoints depend on
         a chunk, the more it is worth. 2 (default): shared chunks. 1: every chunk, each
         written twice at the suspension itself (about twice the disk and write time). 0: no
         replicas. Replicas of newly shared chunks are made by the next scrub() call (the
