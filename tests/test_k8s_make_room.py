@@ -2,8 +2,8 @@
 
 The API server is the wire-level fake (tests/helpers/fake_kube.py); each GPU node runs a real
 agent (its own loopback address, its own /proc and cgroup tree); NVML and libcuda are the
-ctypes-level fakes of tests/test_cuda_absent.py, whose memory follows what the fake driver
-checkpointed (tests/test_make_room.py SharedGpus). The servers' processes are real.
+ctypes-level fakes of tests/helpers/fake_gpu.py, whose memory follows what the fake driver
+checkpointed (SharedGpus there). The servers' processes are real.
 """
 
 from __future__ import annotations
