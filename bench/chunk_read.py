@@ -64,7 +64,9 @@ def decode_in_order(store: ChunkStore, refs: list, window: int) -> int:
 def stream(store: ChunkStore, chunks: dict, size: int, window: int) -> int:
     folder = Path(tempfile.mkdtemp(dir="/tmp"))
     try:
-        streamer = S.ChunkStreamer(store, "plain", chunks, folder, window=window, prefetch=4 * window).start()
+        streamer = S.ChunkStreamer(
+            store, "plain", chunks, folder, window=window, prefetch=4 * window
+        ).start()
         conn = socket.socket(socket.AF_UNIX)
         conn.connect(str(folder / S.SOCKET_NAME))
         req = b"\x0a" + bytes([len(NAME)]) + NAME.encode()
@@ -133,7 +135,9 @@ def main(gib: float, kind: str, root: Path) -> None:
     measure("unpack", unpack)
     measure("stream", lambda: stream(store, chunks, size, 4 * threads), 4 * threads, warm=True)
     table = print_table(rows, ["what", "window", "cold", "bytes", "seconds", "GBps"])
-    write_json("chunk_read", rows, data=how, gib=gib, threads=threads, chunks=len(refs), table=table)
+    write_json(
+        "chunk_read", rows, data=how, gib=gib, threads=threads, chunks=len(refs), table=table
+    )
     shutil.rmtree(root, ignore_errors=True)
 
 

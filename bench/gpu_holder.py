@@ -37,7 +37,9 @@ def main() -> None:
                 chunks.append(w.view(torch.int32))
             else:
                 chunks.append(
-                    torch.randint(-(2**31), 2**31 - 1, (k,), dtype=torch.int32, device=device, generator=gen)
+                    torch.randint(
+                        -(2**31), 2**31 - 1, (k,), dtype=torch.int32, device=device, generator=gen
+                    )
                 )
             left -= k
         torch.cuda.synchronize(device)

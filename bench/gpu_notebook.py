@@ -1356,9 +1356,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "in one run, instead of gpusnap against the bare recipe; results gpu_notebook_restore*.json",
     )
     p.add_argument("--modes", default="eager,lazy", help="with --compare-restore: restore modes")
-    p.add_argument(
-        "--storages", default="files,chunks", help="with --compare-restore: storages"
-    )
+    p.add_argument("--storages", default="files,chunks", help="with --compare-restore: storages")
     p.add_argument(
         "--user",
         default=BENCH_USER,

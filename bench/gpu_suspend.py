@@ -57,9 +57,24 @@ from jupyterhub_gpusnap.model import Server
 HERE = Path(__file__).parent
 DATA = "random"  # --data: what the GPU holds (bench/gpu_holder.py)
 COLUMNS = [
-    "gib", "gpu_bytes", "image_bytes", "written_bytes", "time_to_gpu_free_s", "time_to_disk_s", "restore_s",
-    "driver_checkpoint_s", "driver_restore_s", "bare_suspend_s", "bare_restore_s",
-    "bare_durable_suspend_s", "gpu_free_ratio", "disk_ratio", "durable_disk_ratio", "disk_bound_ratio", "restore_ratio", "intact",
+    "gib",
+    "gpu_bytes",
+    "image_bytes",
+    "written_bytes",
+    "time_to_gpu_free_s",
+    "time_to_disk_s",
+    "restore_s",
+    "driver_checkpoint_s",
+    "driver_restore_s",
+    "bare_suspend_s",
+    "bare_restore_s",
+    "bare_durable_suspend_s",
+    "gpu_free_ratio",
+    "disk_ratio",
+    "durable_disk_ratio",
+    "disk_bound_ratio",
+    "restore_ratio",
+    "intact",
     "bare_intact",
 ]
 
@@ -81,15 +96,29 @@ class Holder:
         self.state = Path(tempfile.mkdtemp(dir=root, prefix="holder-"))
         log = open(self.state / "log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", str(HERE / "gpu_holder.py"), str(gib), str(self.state), str(gpus), DATA],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd=self.state,
+            [
+                sys.executable,
+                "-u",
+                str(HERE / "gpu_holder.py"),
+                str(gib),
+                str(self.state),
+                str(gpus),
+                DATA,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            cwd=self.state,
         )
         self.pid = self.proc.pid
         self.n = 0
         deadline = time.monotonic() + 300
         while not (self.state / "ready").exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("GPU holder did not start: " + (self.state / "log").read_text()[-2000:])
+                raise RuntimeError(
+                    "GPU holder did not start: " + (self.state / "log").read_text()[-2000:]
+                )
             time.sleep(0.1)
 
     def checksum(self, pid: int | None = None, timeout: float = 300) -> str:
@@ -121,8 +150,11 @@ def disk_write_gbps(root: Path, gib: int = 4) -> float:
     """Sequential write bandwidth of the checkpoint disk (O_DIRECT, like a large image)."""
     path = root / "ddtest"
     t = time.monotonic()
-    subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={gib * 64}", "oflag=direct"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["dd", "if=/dev/zero", f"of={path}", "bs=16M", f"count={gib * 64}", "oflag=direct"],
+        check=True,
+        capture_output=True,
+    )
     seconds = time.monotonic() - t
     path.unlink()
     return round(gib * 2**30 / seconds / 1e9, 2)
@@ -147,7 +179,9 @@ async def ours(gib: float, root: Path, backend: LocalBackend, gpus: int = 1) -> 
     return {
         "written_bytes": m.new_bytes if m.storage == "chunks" else m.image_bytes,
         "restore_phases": (done.extra.get("restore_phases") if done else None),
-        "checkpoint_phases": {k: info.extra.get(k) for k in ("time_to_gpu_free_s", "dump_seconds", "seal_seconds")},
+        "checkpoint_phases": {
+            k: info.extra.get(k) for k in ("time_to_gpu_free_s", "dump_seconds", "seal_seconds")
+        },
         "gpu_bytes": info.gpu_bytes,
         "image_bytes": info.image_bytes,
         "time_to_gpu_free_s": round(info.extra.get("time_to_gpu_free_s") or 0, 3),
@@ -170,7 +204,9 @@ async def bare(gib: float, root: Path, criu: str, gpus: int = 1) -> dict:
     await asyncio.to_thread(cuda.checkpoint, h.pid)
     driver_ckpt = time.monotonic() - t
     t = time.monotonic()
-    subprocess.run([criu, "dump", "-t", str(h.pid), "-D", str(images)], check=True, capture_output=True)
+    subprocess.run(
+        [criu, "dump", "-t", str(h.pid), "-D", str(images)], check=True, capture_output=True
+    )
     criu_dump = time.monotonic() - t
     t = time.monotonic()
     os.sync()  # what a durable image costs on top (ours fsyncs before the server is stopped)
@@ -180,8 +216,11 @@ async def bare(gib: float, root: Path, criu: str, gpus: int = 1) -> dict:
     drop_caches()
     pidfile = images / "restore.pid"
     t = time.monotonic()
-    subprocess.run([criu, "restore", "-D", str(images), "-d", "--pidfile", str(pidfile)], check=True,
-                   capture_output=True)
+    subprocess.run(
+        [criu, "restore", "-D", str(images), "-d", "--pidfile", str(pidfile)],
+        check=True,
+        capture_output=True,
+    )
     criu_restore = time.monotonic() - t
     pid = int(pidfile.read_text())
     t = time.monotonic()
@@ -225,7 +264,9 @@ def add_disk_bound(row: dict) -> None:
         row["disk_bound_ratio"] = round(row["time_to_disk_s"] / bound, 3)
 
 
-async def one_run(gib: float, root: Path, backend: LocalBackend, criu: str, gpus: int, bare_first: bool) -> dict:
+async def one_run(
+    gib: float, root: Path, backend: LocalBackend, criu: str, gpus: int, bare_first: bool
+) -> dict:
     if bare_first:
         b = await bare(gib, root, criu, gpus)
         o = await ours(gib, root, backend, gpus)
@@ -248,7 +289,10 @@ async def main(sizes: list[float], root: Path, repeat: int, gpus: int, storage: 
         sys.exit("criu not found: install it with .ci/install-criu.sh")
     root.mkdir(parents=True, exist_ok=True)
     backend = LocalBackend(
-        checkpoint_dir=str(root / "checkpoints"), criu_path=criu, min_free_bytes=0, keep_last=1,
+        checkpoint_dir=str(root / "checkpoints"),
+        criu_path=criu,
+        min_free_bytes=0,
+        keep_last=1,
         storage=storage,
     )
     await backend.setup()
@@ -273,17 +317,31 @@ async def main(sizes: list[float], root: Path, repeat: int, gpus: int, storage: 
             else:
                 row[k] = median([x[k] for x in runs])
         if gpus > 1:  # the same size per GPU on one GPU, same run
-            one = [await one_run(gib, root, backend, criu, 1, bare_first=bool(r % 2)) for r in range(repeat)]
-            for k in ("time_to_gpu_free_s", "time_to_disk_s", "restore_s", "driver_checkpoint_s", "driver_restore_s"):
+            one = [
+                await one_run(gib, root, backend, criu, 1, bare_first=bool(r % 2))
+                for r in range(repeat)
+            ]
+            for k in (
+                "time_to_gpu_free_s",
+                "time_to_disk_s",
+                "restore_s",
+                "driver_checkpoint_s",
+                "driver_restore_s",
+            ):
                 row[f"one_gpu_{k}"] = median([x[k] for x in one])
                 row[f"ratio_to_1gpu_{k}"] = round(row[k] / row[f"one_gpu_{k}"], 3)
         row["runs"] = runs
         row["machine"] = about
         rows.append(row)
-        path.write_text(json.dumps(rows, indent=2) + "\n")  # after each size: a cut-off run keeps them
+        path.write_text(
+            json.dumps(rows, indent=2) + "\n"
+        )  # after each size: a cut-off run keeps them
     print_table(rows, COLUMNS)
     if gpus > 1:
-        print_table(rows, ["gib", "gpus"] + [c for c in rows[0] if c.startswith(("one_gpu_", "ratio_to_1gpu_"))])
+        print_table(
+            rows,
+            ["gib", "gpus"] + [c for c in rows[0] if c.startswith(("one_gpu_", "ratio_to_1gpu_"))],
+        )
     print(f"disk write {disk} GB/s (O_DIRECT)")
     print(f"wrote {path}")
 
@@ -293,7 +351,9 @@ if __name__ == "__main__":
     p.add_argument("sizes", nargs="*", type=float, default=[1, 8, 24])
     p.add_argument("--repeat", type=int, default=3, help="runs per size (medians reported)")
     p.add_argument("--gpus", type=int, default=1, help="GPUs the process holds data on")
-    p.add_argument("--storage", choices=["files", "chunks"], default="files", help="LocalBackend.storage")
+    p.add_argument(
+        "--storage", choices=["files", "chunks"], default="files", help="LocalBackend.storage"
+    )
     p.add_argument("--data", choices=["random", "weights"], default="random",
                    help="what the GPU holds: random int32, or bf16 weights (randn * 0.02)")  # fmt: skip
     p.add_argument("--dir", default="/var/tmp/gpusnap-bench")

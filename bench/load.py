@@ -203,7 +203,10 @@ async def one_run(pop, args, concurrency: int, folder: Path) -> list[dict]:
     watcher = Watcher(
         hub=HubClient(api_url=pop.hub.hub_api_url, api_token=pop.hub.admin_token, page_size=200),
         store=Store(f"sqlite:///{db}"),
-        policy=Policy(rules=[], default=Rule(name="load", idle_window=IDLE_WINDOW, warn_before=0, min_running=0)),
+        policy=Policy(
+            rules=[],
+            default=Rule(name="load", idle_window=IDLE_WINDOW, warn_before=0, min_running=0),
+        ),
         sources=[QuietSource(t0)],
         backend=backend,
         clock=lambda: clock[0],
@@ -230,7 +233,10 @@ async def one_run(pop, args, concurrency: int, folder: Path) -> list[dict]:
         t_load = time.perf_counter()
         clock[0] += IDLE_WINDOW + 60
         await watcher.tick()
-        taken_on = watcher.store.counts_by_state()["suspending"] + watcher.store.counts_by_state()["suspended"]
+        taken_on = (
+            watcher.store.counts_by_state()["suspending"]
+            + watcher.store.counts_by_state()["suspended"]
+        )
         ticks = 1
         while watcher._inflight:
             await asyncio.wait(list(watcher._inflight.values()), timeout=args.interval)
@@ -269,7 +275,9 @@ async def run(args) -> list[dict]:
     folder = Path(tempfile.mkdtemp(prefix="gpusnap-load-"))
     mounted = False
     if args.tmpfs and os.geteuid() == 0:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(folder)], check=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=512m", "tmpfs", str(folder)], check=True
+        )
         mounted = True
     pop = scale.Population(folder / "pop", page_max=200)
     rows: list[dict] = []
@@ -305,9 +313,13 @@ def main(argv: list[str] | None = None) -> None:
                    help="Watcher.suspend_concurrency values, one run each")  # fmt: skip
     p.add_argument("--checkpoint-seconds", type=float, default=0.5,
                    help="how long each stand-in checkpoint takes")  # fmt: skip
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between ticks (GpuSnap.interval)")
+    p.add_argument(
+        "--interval", type=float, default=5.0, help="seconds between ticks (GpuSnap.interval)"
+    )
     p.add_argument("--baseline-seconds", type=float, default=20.0)
-    p.add_argument("--probe-gap", type=float, default=0.05, help="seconds between two probe requests")
+    p.add_argument(
+        "--probe-gap", type=float, default=0.05, help="seconds between two probe requests"
+    )
     p.add_argument("--no-tmpfs", dest="tmpfs", action="store_false",
                    help="keep the Hub's database on disk (default for root: a tmpfs)")  # fmt: skip
     p.add_argument("--name", default="load", help="results file name (bench/results/NAME.json)")

@@ -36,19 +36,25 @@ async def one(gib: float, repeat: int) -> dict:
     try:
         await server.wait()
         kernel = await new_kernel(server.base, server.token)
-        await execute(server.base, server.token, kernel,
-                      f"import torch\nt = torch.rand({int(gib * GiB) // 4}, device='cuda')\nprint('ok')")
+        await execute(
+            server.base,
+            server.token,
+            kernel,
+            f"import torch\nt = torch.rand({int(gib * GiB) // 4}, device='cuda')\nprint('ok')",
+        )
         cuda = CudaCheckpoint()
         pids = tree_pids(server.proc.pid)
         latencies, bare, after_bare, park_s, moved, outputs = [], [], [], [], 0, []
         for i in range(repeat):
             # alternate which goes first: the first restore after a park may differ
-            for which in (("cell", "bare") if i % 2 == 0 else ("bare", "cell")):
+            for which in ("cell", "bare") if i % 2 == 0 else ("bare", "cell"):
                 parked = await park(pids, cuda)
                 park_s.append(parked.seconds)
                 moved = max(moved, parked.bytes_moved)
                 if which == "cell":
-                    out, latency = await execute(server.base, server.token, kernel, "print(float(t[0]))")
+                    out, latency = await execute(
+                        server.base, server.token, kernel, "print(float(t[0]))"
+                    )
                     latencies.append(latency)
                     outputs.append(bool(out.strip()))
                 else:  # the bare figure on the same process: driver restore + unlock by hand
@@ -56,16 +62,24 @@ async def one(gib: float, repeat: int) -> dict:
                     await cuda.resume(parked.pids)
                     bare.append(time.perf_counter() - t)
                     # the same cell right after: what the first GPU use after a restore costs
-                    _, first_use = await execute(server.base, server.token, kernel, "print(float(t[0]))")
+                    _, first_use = await execute(
+                        server.base, server.token, kernel, "print(float(t[0]))"
+                    )
                     after_bare.append(first_use)
         latency, driver_restore = statistics.median(latencies), statistics.median(bare)
-        return {"gib": gib, "gpu_bytes": moved, "park_s": round(statistics.median(park_s), 3),
-                "cell_latency_s": round(latency, 3), "driver_restore_s": round(driver_restore, 3),
-                "cell_minus_driver_s": round(latency - driver_restore, 3), "repeat": repeat,
-                "cell_latency_runs_s": [round(x, 3) for x in latencies],
-                "driver_restore_runs_s": [round(x, 3) for x in bare],
-                "cell_after_driver_restore_s": round(statistics.median(after_bare), 3),
-                "output_ok": all(outputs)}
+        return {
+            "gib": gib,
+            "gpu_bytes": moved,
+            "park_s": round(statistics.median(park_s), 3),
+            "cell_latency_s": round(latency, 3),
+            "driver_restore_s": round(driver_restore, 3),
+            "cell_minus_driver_s": round(latency - driver_restore, 3),
+            "repeat": repeat,
+            "cell_latency_runs_s": [round(x, 3) for x in latencies],
+            "driver_restore_runs_s": [round(x, 3) for x in bare],
+            "cell_after_driver_restore_s": round(statistics.median(after_bare), 3),
+            "output_ok": all(outputs),
+        }
     finally:
         server.stop()
 
@@ -74,7 +88,9 @@ async def main(sizes, repeat):
     rows = [await one(g, repeat) for g in sizes]
     print_table(rows, list(rows[0]))
     out = results_dir()
-    (out / "park_cell.json").write_text(json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n")
+    (out / "park_cell.json").write_text(
+        json.dumps({"machine": machine(), "rows": rows}, indent=2) + "\n"
+    )
     park_json = out / "park.json"
     if park_json.exists():
         doc = json.loads(park_json.read_text())

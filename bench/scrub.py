@@ -72,7 +72,9 @@ def pack_row(row: str, store: ChunkStore, image: Path, cold: bool) -> tuple[dict
         "seconds": round(seconds, 3),
         "gib_per_s": round(packed.size / seconds / 2**30, 3),
         "written_mib": round(packed.new_bytes / MiB, 1),
-        "read_mib": round(packed.stored_bytes / MiB, 1) if store.verify_dedup and not packed.new_bytes else 0.0,
+        "read_mib": round(packed.stored_bytes / MiB, 1)
+        if store.verify_dedup and not packed.new_bytes
+        else 0.0,
     }, packed.chunks
 
 
@@ -123,7 +125,9 @@ async def run(args) -> list[dict]:
                             image, cold=True)  # fmt: skip
         rows.append(dict(twice, ratio=round(twice["seconds"] / new["seconds"], 3)))
         for cold in (False, True):
-            base, _ = pack_row("again, trusted", store_in(one, pool, verify_dedup=False), image, cold)
+            base, _ = pack_row(
+                "again, trusted", store_in(one, pool, verify_dedup=False), image, cold
+            )
             rows.append(dict(base, ratio=1.0))
             checked, _ = pack_row("again, verified", store_in(one, pool), image, cold)
             rows.append(dict(checked, ratio=round(checked["seconds"] / base["seconds"], 3)))

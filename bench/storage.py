@@ -60,9 +60,23 @@ from jupyterhub_gpusnap.model import Server
 
 HERE = Path(__file__).parent
 COLUMNS = [
-    "kind", "gib", "mode", "image_bytes", "written_bytes", "written_ratio", "suspend_s",
-    "suspend_ratio", "restore_s", "restore_min_s", "restore_max_s", "restore_ratio",
-    "restore_criu_s", "waited_storage_s", "waited_criu_s", "pipe_kib", "intact",
+    "kind",
+    "gib",
+    "mode",
+    "image_bytes",
+    "written_bytes",
+    "written_ratio",
+    "suspend_s",
+    "suspend_ratio",
+    "restore_s",
+    "restore_min_s",
+    "restore_max_s",
+    "restore_ratio",
+    "restore_criu_s",
+    "waited_storage_s",
+    "waited_criu_s",
+    "pipe_kib",
+    "intact",
 ]
 
 
@@ -71,15 +85,29 @@ class Holder:
         self.state = Path(tempfile.mkdtemp(dir=root, prefix="holder-"))
         log = open(self.state / "log", "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", str(HERE / "mem_holder.py"), kind, str(gib), str(seed), str(self.state)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, cwd=self.state,
+            [
+                sys.executable,
+                "-u",
+                str(HERE / "mem_holder.py"),
+                kind,
+                str(gib),
+                str(seed),
+                str(self.state),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+            cwd=self.state,
         )
         self.pid = self.proc.pid
         self.n = 0
         deadline = time.monotonic() + 600
         while not (self.state / "ready").exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("holder did not start: " + (self.state / "log").read_text()[-2000:])
+                raise RuntimeError(
+                    "holder did not start: " + (self.state / "log").read_text()[-2000:]
+                )
             time.sleep(0.1)
         self.how = (self.state / "ready").read_text()
 
@@ -216,8 +244,11 @@ async def main(gib: float, kinds: list[str], root: Path, level: int, name: str) 
     )
     # the restore before streaming: the whole image unpacked to memory, then CRIU (same store)
     unpacked = LocalBackend(
-        checkpoint_dir=str(root / "chunks"), storage="chunks", compression_level=level,
-        restore_streaming=False, **common,
+        checkpoint_dir=str(root / "chunks"),
+        storage="chunks",
+        compression_level=level,
+        restore_streaming=False,
+        **common,
     )
     rows = []
     how = {}
@@ -259,10 +290,17 @@ async def main(gib: float, kinds: list[str], root: Path, level: int, name: str) 
     print()
     table = print_table(rows, COLUMNS)
     write_json(
-        name or ("storage_warm" if WARM else "storage"), rows, data=how, compression_level=level,
-        table=table, average_chunk_bytes=chunks.average_chunk_bytes, cold_cache=not WARM,
-        restores=RESTORES, restore_order=order,
-        pipe_max_size=pipe_max_size(), restore_pipe_bytes=chunks.restore_pipe_bytes,
+        name or ("storage_warm" if WARM else "storage"),
+        rows,
+        data=how,
+        compression_level=level,
+        table=table,
+        average_chunk_bytes=chunks.average_chunk_bytes,
+        cold_cache=not WARM,
+        restores=RESTORES,
+        restore_order=order,
+        pipe_max_size=pipe_max_size(),
+        restore_pipe_bytes=chunks.restore_pipe_bytes,
     )
     shutil.rmtree(root, ignore_errors=True)
 
@@ -273,9 +311,19 @@ if __name__ == "__main__":
     p.add_argument("--kinds", nargs="*", default=["weights", "random"])
     p.add_argument("--level", type=int, default=1, help="LocalBackend.compression_level")
     p.add_argument("--dir", default="/var/tmp/gpusnap-storage-bench")
-    p.add_argument("--warm", action="store_true", help="restore with the image in the page cache (storage_warm.json)")
-    p.add_argument("--restores", type=int, default=1, help="restores per checkpoint (median reported)")
-    p.add_argument("--name", default="", help="results file name (default storage, or storage_warm with --warm)")
+    p.add_argument(
+        "--warm",
+        action="store_true",
+        help="restore with the image in the page cache (storage_warm.json)",
+    )
+    p.add_argument(
+        "--restores", type=int, default=1, help="restores per checkpoint (median reported)"
+    )
+    p.add_argument(
+        "--name",
+        default="",
+        help="results file name (default storage, or storage_warm with --warm)",
+    )
     a = p.parse_args()
     WARM = a.warm
     RESTORES = max(1, a.restores)

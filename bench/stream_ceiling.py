@@ -83,13 +83,18 @@ def main(gib: float, kind: str, repeat: int, root: Path) -> None:
     try:
         h = Holder(kind, gib, 1, root)
         before = h.checksum()
-        subprocess.run([criu, "dump", "-t", str(h.pid), "-D", str(images), "-o", "dump.log"], check=True)
+        subprocess.run(
+            [criu, "dump", "-t", str(h.pid), "-D", str(images), "-o", "dump.log"], check=True
+        )
         h.proc.wait()
         store = ChunkStore(root / "store", pool)
         files = sorted(p for p in images.iterdir() if p.name.endswith(".img"))
         chunks = {n: p.chunks for n, p in store.pack(files).items()}
         image_bytes = sum(p.stat().st_size for p in files)
-        print(f"{kind}: {gib:g} GiB dumped ({image_bytes} bytes in {len(files)} files) and packed", flush=True)
+        print(
+            f"{kind}: {gib:g} GiB dumped ({image_bytes} bytes in {len(files)} files) and packed",
+            flush=True,
+        )
         rows = []
 
         def restore(mode: str, check: bool) -> dict:
@@ -144,9 +149,24 @@ def main(gib: float, kind: str, repeat: int, root: Path) -> None:
                             "max_s": max(r["seconds"] for r in mine), "ratio": round(med / base, 3),
                             "intact": all(r["intact"] is not False for r in mine)})  # fmt: skip
         print()
-        print_table(rows, ["round", "mode", "seconds", "GBps", "pipe_kib", "waited_storage_s", "waited_criu_s", "intact"])
+        print_table(
+            rows,
+            [
+                "round",
+                "mode",
+                "seconds",
+                "GBps",
+                "pipe_kib",
+                "waited_storage_s",
+                "waited_criu_s",
+                "intact",
+            ],
+        )
         print()
-        table = print_table(summary, ["kind", "gib", "mode", "runs", "median_s", "min_s", "max_s", "ratio", "intact"])
+        table = print_table(
+            summary,
+            ["kind", "gib", "mode", "runs", "median_s", "min_s", "max_s", "ratio", "intact"],
+        )
         name = "stream_ceiling" if kind == "weights" else f"stream_ceiling_{kind}"
         write_json(name, rows, summary=summary, table=table, image_bytes=image_bytes,
                    threads=threads, pipe_max_size=pipe_max_size(), data=h.how)  # fmt: skip

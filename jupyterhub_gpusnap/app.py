@@ -74,7 +74,10 @@ class GpuSnap(Application):
         "log-level": "Application.log_level",
     }
     flags = {
-        "generate-config": ({"GpuSnap": {"generate_config": True}}, "Print a config file with every setting and exit."),
+        "generate-config": (
+            {"GpuSnap": {"generate_config": True}},
+            "Print a config file with every setting and exit.",
+        ),
         "debug": ({"Application": {"log_level": 10}}, "Log debug messages."),
     }
 
@@ -88,8 +91,18 @@ class GpuSnap(Application):
         from .signals.nvml import NvmlSignal
         from .signals.prometheus import PrometheusSignal
 
-        return [GpuSnap, Watcher, HubClient, LocalBackend, JupyterSignal, LocalProcessSignal, NvmlSignal,
-                PrometheusSignal, Mailer, Notifier]
+        return [
+            GpuSnap,
+            Watcher,
+            HubClient,
+            LocalBackend,
+            JupyterSignal,
+            LocalProcessSignal,
+            NvmlSignal,
+            PrometheusSignal,
+            Mailer,
+            Notifier,
+        ]
 
     # Decisions (state changes, warnings, suspensions, restores) are logged at INFO, routine polling
     # at DEBUG, so the default level shows what the service does and nothing it merely looks at.
@@ -106,19 +119,25 @@ class GpuSnap(Application):
     ).tag(config=True)
 
     config_file = Unicode(
-        "gpusnap_config.py", help="The config file to load (Python, traitlets style: c.GpuSnap.interval = 60)."
+        "gpusnap_config.py",
+        help="The config file to load (Python, traitlets style: c.GpuSnap.interval = 60).",
     ).tag(config=True)
-    generate_config = Bool(False, help="Print a config file with every setting and its help, then exit.").tag(config=True)
+    generate_config = Bool(
+        False, help="Print a config file with every setting and its help, then exit."
+    ).tag(config=True)
 
     interval = Float(
-        60, help="Seconds between two ticks. Each tick lists running servers, reads their signals and applies the policy."
+        60,
+        help="Seconds between two ticks. Each tick lists running servers, reads their signals and applies the policy.",
     ).tag(config=True)
 
     @validate("interval")
     def _check_interval(self, proposal):
         # 0 or less would tick in a busy loop, hammering the Hub API
         if proposal.value <= 0:
-            raise ValueError(f"GpuSnap.interval must be a number of seconds > 0, e.g. 60; got {proposal.value!r}")
+            raise ValueError(
+                f"GpuSnap.interval must be a number of seconds > 0, e.g. 60; got {proposal.value!r}"
+            )
         return proposal.value
 
     db_url = Unicode(
@@ -180,7 +199,8 @@ class GpuSnap(Application):
         "(park). Must be shorter than idle_window. None (default) disables parking.",
     ).tag(config=True)
     warn_before = Float(
-        900, help="Seconds before the suspension when the user is warned (email, Lab panel). 0 disables the warning."
+        900,
+        help="Seconds before the suspension when the user is warned (email, Lab panel). 0 disables the warning.",
     ).tag(config=True)
     min_running = Float(
         600, help="Never act on a server that has been running for less than this many seconds."
@@ -191,7 +211,8 @@ class GpuSnap(Application):
         "even when its GPU is idle.",
     ).tag(config=True)
     gpu_threshold = Float(
-        5.0, help="GPU SM utilisation (percent) above which the server counts as working. Memory held does not count."
+        5.0,
+        help="GPU SM utilisation (percent) above which the server counts as working. Memory held does not count.",
     ).tag(config=True)
     interaction_window = Float(
         None,
@@ -264,7 +285,8 @@ class GpuSnap(Application):
         return [JupyterSignal, LocalProcessSignal, NvmlSignal]
 
     email = Bool(
-        False, help="Send emails (warning, suspended, restore failed). Configure c.Mailer and c.Notifier."
+        False,
+        help="Send emails (warning, suspended, restore failed). Configure c.Mailer and c.Notifier.",
     ).tag(config=True)
 
     retention_interval = Float(
@@ -273,9 +295,9 @@ class GpuSnap(Application):
         "The checkpoint a suspended server needs for its restore is never deleted.",
     ).tag(config=True)
 
-    tick_on_start = Bool(True, help="Run the first tick right after start-up rather than after one interval.").tag(
-        config=True
-    )
+    tick_on_start = Bool(
+        True, help="Run the first tick right after start-up rather than after one interval."
+    ).tag(config=True)
 
     metrics_require_auth = Bool(
         True,
@@ -303,7 +325,9 @@ class GpuSnap(Application):
     def build_policy(self) -> Policy:
         """The policy from the settings; a ValueError names the setting (GpuSnap.rules or GpuSnap.*) to fix."""
         try:
-            rules = [Rule.from_dict(r, default_name=f"rules[{i}]") for i, r in enumerate(self.rules)]
+            rules = [
+                Rule.from_dict(r, default_name=f"rules[{i}]") for i, r in enumerate(self.rules)
+            ]
         except ValueError as e:
             raise ValueError(f"GpuSnap.rules: {e}") from None
         try:
@@ -341,7 +365,9 @@ class GpuSnap(Application):
             self.log.critical("Invalid configuration: %s", e)
             self.exit(1)
         except Exception as e:  # a config file that does not run (syntax error, NameError, …)
-            self.log.critical("Cannot load the config file %s: %s: %s", self.config_file, type(e).__name__, e)
+            self.log.critical(
+                "Cannot load the config file %s: %s: %s", self.config_file, type(e).__name__, e
+            )
             self.exit(1)
         if self.generate_config:
             print(self.generate_config_file())
@@ -369,7 +395,9 @@ class GpuSnap(Application):
             self.log.critical(
                 "Invalid configuration: GpuSnap.db_url = %r cannot be used: %s. Set it to a database the service "
                 "can write, e.g. sqlite:////var/lib/gpusnap/gpusnap.sqlite (the folder must exist) or "
-                "postgresql://gpusnap@db/gpusnap", self.db_url, e,
+                "postgresql://gpusnap@db/gpusnap",
+                self.db_url,
+                e,
             )
             self.exit(1)
         self.sources = [cls(parent=self) for cls in self.signal_classes]
@@ -385,7 +413,9 @@ class GpuSnap(Application):
             for status in self.store.all():
                 jupyter.carry_over(status.key, status.last_sample)
         self.backend = None
-        if self.action == "suspend" or any(r.get("action", self.action) == "suspend" and not r.get("exempt") for r in self.rules):
+        if self.action == "suspend" or any(
+            r.get("action", self.action) == "suspend" and not r.get("exempt") for r in self.rules
+        ):
             try:
                 self.backend = self.backend_class(parent=self)
             except (TraitError, ValueError) as e:
@@ -425,7 +455,9 @@ class GpuSnap(Application):
     def make_web_app(self) -> web.Application:
         from .handlers import make_handlers
 
-        prefix = self.service_prefix if self.service_prefix.endswith("/") else self.service_prefix + "/"
+        prefix = (
+            self.service_prefix if self.service_prefix.endswith("/") else self.service_prefix + "/"
+        )
         return web.Application(
             make_handlers(prefix),
             gpusnap=self,
@@ -452,7 +484,9 @@ class GpuSnap(Application):
             try:
                 deleted = await self.backend.apply_retention()
                 if deleted:
-                    self.log.info("Retention deleted %d checkpoint(s): %s", len(deleted), ", ".join(deleted))
+                    self.log.info(
+                        "Retention deleted %d checkpoint(s): %s", len(deleted), ", ".join(deleted)
+                    )
             except Exception as e:
                 self.log.error("Checkpoint retention failed: %s", e)
             if self._scrub_task is None or self._scrub_task.done():
@@ -480,9 +514,14 @@ class GpuSnap(Application):
             "suspensions": count("suspend"),
             "restores": count("restore"),
             "failures": sum(count(kind) for kind in FAILURE_EVENTS),
-            "gpu_hours": round(gpu_hours_freed(self.store.events(None, limit=100000), since, now), 1),
-            "failed_servers": [{"server": e["key"], "error": (e["detail"] or {}).get("error", "")}
-                               for e in events if e["kind"] in FAILURE_EVENTS],
+            "gpu_hours": round(
+                gpu_hours_freed(self.store.events(None, limit=100000), since, now), 1
+            ),
+            "failed_servers": [
+                {"server": e["key"], "error": (e["detail"] or {}).get("error", "")}
+                for e in events
+                if e["kind"] in FAILURE_EVENTS
+            ],
             "hub_url": self.public_url,
         }
 
@@ -496,8 +535,14 @@ class GpuSnap(Application):
         # a longer body is refused before it is read (handlers/base.py)
         server = HTTPServer(app, xheaders=True, max_body_size=MAX_BODY_SIZE)
         server.listen(url.port or 80, url.hostname or "127.0.0.1")
-        self.log.info("%s %s listening on %s, prefix %s, tick every %gs", self.name, __version__, self.bind_url,
-                      self.service_prefix, self.interval)
+        self.log.info(
+            "%s %s listening on %s, prefix %s, tick every %gs",
+            self.name,
+            __version__,
+            self.bind_url,
+            self.service_prefix,
+            self.interval,
+        )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

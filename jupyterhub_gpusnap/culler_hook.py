@@ -34,9 +34,18 @@ from .signals.nvml import NvmlSignal
 class GpuSnapArbiter:
     """Callable with the culler's hook signature ``(inactive, inactive_limit, server)``."""
 
-    def __init__(self, proxy_url: str | None = None, api_token: str | None = None, cpu_threshold: float = 10.0,
-                 gpu_threshold: float = 5.0, sources=None, clock=time.time):
-        self.proxy_url = proxy_url or os.environ.get("JUPYTERHUB_PUBLIC_URL", "http://127.0.0.1:8000")
+    def __init__(
+        self,
+        proxy_url: str | None = None,
+        api_token: str | None = None,
+        cpu_threshold: float = 10.0,
+        gpu_threshold: float = 5.0,
+        sources=None,
+        clock=time.time,
+    ):
+        self.proxy_url = proxy_url or os.environ.get(
+            "JUPYTERHUB_PUBLIC_URL", "http://127.0.0.1:8000"
+        )
         token = api_token or os.environ.get("JUPYTERHUB_API_TOKEN", "")
         self.sources = sources or [
             JupyterPollSignal(proxy_url=self.proxy_url, api_token=token),
@@ -58,9 +67,11 @@ class GpuSnapArbiter:
         user = server.get("user") or {}
         name = server.get("name", "")
         # the culler passes the server model; wrap it as the user model servers_of expects
-        model = {"name": user.get("name", "") if isinstance(user, dict) else str(user),
-                 "groups": user.get("groups", []) if isinstance(user, dict) else [],
-                 "servers": {name: {**server, "ready": True}}}
+        model = {
+            "name": user.get("name", "") if isinstance(user, dict) else str(user),
+            "groups": user.get("groups", []) if isinstance(user, dict) else [],
+            "servers": {name: {**server, "ready": True}},
+        }
         if not model["name"]:
             # culler 2.x puts the owner's name in server["url"]: /user/<name>/...
             parts = (server.get("url") or "").strip("/").split("/")
@@ -79,7 +90,11 @@ class GpuSnapArbiter:
         for source in self.sources:
             sample.merge(await source.sample(srv, now))
         status = self.statuses.get(srv.key) or ServerStatus(
-            key=srv.key, user=srv.user, name=srv.name, state=State.active, state_since=now,
+            key=srv.key,
+            user=srv.user,
+            name=srv.name,
+            state=State.active,
+            state_since=now,
             last_active=srv.started.timestamp() if srv.started else now,
             started=srv.started.timestamp() if srv.started else now,
         )

@@ -95,7 +95,9 @@ class HubClient(LoggingConfigurable):
         self._semaphore = asyncio.Semaphore(self.concurrency)
         self.requests = 0  # counted, for the scale benchmark and /metrics
 
-    async def request(self, method: str, path: str, body: dict | None = None, **params) -> dict | list | None:
+    async def request(
+        self, method: str, path: str, body: dict | None = None, **params
+    ) -> dict | list | None:
         """One Hub API request; JSON in and out. Raises HubError with the Hub's message."""
         url = self.api_url.rstrip("/") + path
         if params:
@@ -108,7 +110,9 @@ class HubClient(LoggingConfigurable):
                 "Accept": "application/jupyterhub-pagination+json",
                 "Content-Type": "application/json",
             },
-            body=json.dumps(body) if body is not None else (b"" if method in ("POST", "PUT", "PATCH") else None),
+            body=json.dumps(body)
+            if body is not None
+            else (b"" if method in ("POST", "PUT", "PATCH") else None),
             request_timeout=self.request_timeout,
             allow_nonstandard_methods=True,
         )
@@ -135,7 +139,9 @@ class HubClient(LoggingConfigurable):
         """Every user with a server in ``state``, following the Hub's pagination."""
         offset = 0
         while True:
-            page = await self.request("GET", "/users", state=state, offset=offset, limit=self.page_size)
+            page = await self.request(
+                "GET", "/users", state=state, offset=offset, limit=self.page_size
+            )
             if isinstance(page, list):  # a Hub without pagination
                 for user in page:
                     yield user

@@ -54,8 +54,9 @@ def access_scope(service: str = "gpusnap") -> str:
     return f"access:services!service={service}"
 
 
-def service_role(service: str = "gpusnap", email_from_auth_state: bool = False,
-                 jupyter_poll: bool = False) -> dict:
+def service_role(
+    service: str = "gpusnap", email_from_auth_state: bool = False, jupyter_poll: bool = False
+) -> dict:
     """The load_roles entry for the service: the minimum scopes it needs.
 
     ``jupyter_poll``: add ``access:servers``, for ``JupyterPollSignal`` only.

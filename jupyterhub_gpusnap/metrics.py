@@ -18,7 +18,10 @@ SIGNAL = Gauge(
     registry=REGISTRY,
 )
 IDLE_SECONDS = Gauge(
-    "gpusnap_idle_seconds", "Seconds each server has been idle by every signal.", ["server"], registry=REGISTRY
+    "gpusnap_idle_seconds",
+    "Seconds each server has been idle by every signal.",
+    ["server"],
+    registry=REGISTRY,
 )
 ACTIONS = Counter(
     "gpusnap_actions",

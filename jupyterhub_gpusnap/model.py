@@ -51,7 +51,9 @@ class Server:
     url: str = ""  # prefix path, e.g. /user/alice/
     started: datetime | None = None
     last_activity: datetime | None = None  # Hub's view: weak signal (websocket heartbeats move it)
-    state: dict = field(default_factory=dict)  # spawner state (pid for local spawners); needs admin:server_state
+    state: dict = field(
+        default_factory=dict
+    )  # spawner state (pid for local spawners); needs admin:server_state
     groups: list[str] = field(default_factory=list)
     profile: str = ""  # user_options.profile for KubeSpawner profile lists
     ready: bool = True

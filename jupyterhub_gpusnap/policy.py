@@ -152,7 +152,9 @@ class Rule:
     gpu_threshold: float = 5.0  # SM percent
     max_keep_running: float = 8 * 3600.0
     failure_backoff: float = 3600.0  # after a failed suspension, wait this long to retry
-    interaction_window: float | None = None  # seconds a Lab interaction holds off suspension; None: idle_window
+    interaction_window: float | None = (
+        None  # seconds a Lab interaction holds off suspension; None: idle_window
+    )
 
     @property
     def interaction_seconds(self) -> float:
@@ -381,7 +383,12 @@ def decide(status: ServerStatus, sample: Sample, rule: Rule, now: float) -> Deci
     base = max(last_active, status.started, status.restored_at or 0.0)
     start = max(base, touch or 0.0)  # the idle period starts at the latest sign of the user
     idle = max(now - start, 0.0)
-    common = {"idle_seconds": idle, "active": bool(found), "last_active": last_active, "idle_since": start}
+    common = {
+        "idle_seconds": idle,
+        "active": bool(found),
+        "last_active": last_active,
+        "idle_since": start,
+    }
     if status.exempt:
         return Decision(State.exempt, unpark, EXEMPTED, **common)
     if rule.exempt or rule.action == "none":
@@ -508,7 +515,10 @@ def transition(status: ServerStatus, event: Event) -> tuple[ServerStatus, list[E
         changes.update(failure=reason, failures=(status.failures or 0) + 1)
         effects.append(Effect("record", kind, {"error": reason}))
     elif kind == "suspended":
-        to, changes["checkpoint_id"] = State.suspended, detail.get("checkpoint", status.checkpoint_id)
+        to, changes["checkpoint_id"] = (
+            State.suspended,
+            detail.get("checkpoint", status.checkpoint_id),
+        )
         effects.append(Effect("record", "suspend", detail.get("record", {})))
     elif kind == "stopped":
         return status, [Effect("record", "stop", {"reason": reason}), Effect("forget")]

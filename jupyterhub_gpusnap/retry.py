@@ -57,7 +57,9 @@ class Backoff(LoggingConfigurable):
     @validate("retries")
     def _not_negative(self, proposal):
         if proposal["value"] < 0:
-            raise TraitError(f"Backoff.retries must be 0 or more (0: no retry), not {proposal['value']}")
+            raise TraitError(
+                f"Backoff.retries must be 0 or more (0: no retry), not {proposal['value']}"
+            )
         return proposal["value"]
 
     @property

@@ -57,7 +57,12 @@ PR_SET_PDEATHSIG = 1
 
 #: The signals a stop (or an admin) sends that the server must see.
 FORWARDED = (
-    signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
 )
 #: ``criu dump`` arguments for a tree in its own mount namespace: every inherited mount
 #: is external (recorded by its path, bind-mounted again at restore).
@@ -67,7 +72,9 @@ MOUNT_ARGS = ("--ext-mount-map", "auto", "--enable-external-sharing", "--enable-
 # ---------------------------------------------------------------------- used by the spawner
 
 
-def command(cmd: list[str], log: str, user: str | None = None, python: str | None = None) -> list[str]:
+def command(
+    cmd: list[str], log: str, user: str | None = None, python: str | None = None
+) -> list[str]:
     """The command line that runs ``cmd`` in the sandbox, its output appended to ``log``."""
     args = [python or sys.executable, "-I", "-S", os.path.abspath(__file__), "--log", log]
     if user is not None:

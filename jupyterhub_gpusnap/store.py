@@ -149,7 +149,9 @@ class Store:
         columns = {c["name"] for c in inspect(self.engine).get_columns("servers")}
         with self.engine.begin() as conn:
             if "exempt" not in columns:
-                conn.exec_driver_sql("ALTER TABLE servers ADD COLUMN exempt BOOLEAN NOT NULL DEFAULT FALSE")
+                conn.exec_driver_sql(
+                    "ALTER TABLE servers ADD COLUMN exempt BOOLEAN NOT NULL DEFAULT FALSE"
+                )
             old = servers.c.keep_until == OLD_EXEMPT_UNTIL
             conn.execute(update(servers).where(old).values(exempt=True, keep_until=None))
 

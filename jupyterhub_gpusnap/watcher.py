@@ -79,8 +79,6 @@ def _restamped(part: Sample, now: float) -> Sample:
     return sample
 
 
-
-
 class Watcher(LoggingConfigurable):
     """Applies the policy to every running server once per tick."""
 
@@ -201,11 +199,17 @@ class Watcher(LoggingConfigurable):
         keys = [s.key for s in servers]
         hub = [s.last_activity.timestamp() if s.last_activity else None for s in servers]
         if not servers or not self.sources:
-            return {k: Sample(time=now, hub_last_activity=h) for k, h in zip(keys, hub, strict=True)}
-        parts = await asyncio.gather(*(self._read_source(src, servers, now) for src in self.sources))
+            return {
+                k: Sample(time=now, hub_last_activity=h) for k, h in zip(keys, hub, strict=True)
+            }
+        parts = await asyncio.gather(
+            *(self._read_source(src, servers, now) for src in self.sources)
+        )
         samples: dict[str, Sample] = {}
         errors = 0
-        if len(parts) == 1:  # the usual case: the source's own sample, restamped, with the Hub's view
+        if (
+            len(parts) == 1
+        ):  # the usual case: the source's own sample, restamped, with the Hub's view
             for key, last, part in zip(keys, hub, parts[0], strict=True):
                 sample = samples[key] = _restamped(part, now)
                 if sample.hub_last_activity is None:
@@ -298,7 +302,9 @@ class Watcher(LoggingConfigurable):
             self._export(key, sample, decision)
             effects = tick_effects(status.state, decision)
             if effects:  # its state change (held with the tick's rows) and its action
-                actions.extend(self._execute(new, status.state, effects, server, decision, batch=True)[1])
+                actions.extend(
+                    self._execute(new, status.state, effects, server, decision, batch=True)[1]
+                )
             self._merge_keep(new, now)
             self.store.put(new)
         if actions:
@@ -351,8 +357,14 @@ class Watcher(LoggingConfigurable):
                 info = await self.backend.get(status.checkpoint_id)
                 gone = info is None
             except Exception as e:
-                self.log.warning("%s: could not read checkpoint %s: %s", status.key, status.checkpoint_id, e)
-        if info is not None and server.started is not None and server.started.timestamp() < info.created:
+                self.log.warning(
+                    "%s: could not read checkpoint %s: %s", status.key, status.checkpoint_id, e
+                )
+        if (
+            info is not None
+            and server.started is not None
+            and server.started.timestamp() < info.created
+        ):
             return False
         # a checkpoint that is gone (e.g. its manifest was deleted) was not restored: the
         # spawner started a fresh server
@@ -360,21 +372,36 @@ class Watcher(LoggingConfigurable):
         kind = "restore" if restored else "restore_failed"
         detail = {"checkpoint": status.checkpoint_id}
         if gone:
-            detail["error"] = f"checkpoint {status.checkpoint_id} is gone (no readable manifest); started fresh"
+            detail["error"] = (
+                f"checkpoint {status.checkpoint_id} is gone (no readable manifest); started fresh"
+            )
         if info is not None:
-            detail.update(image_bytes=info.image_bytes, gpu_bytes=info.gpu_bytes, error=info.error,
-                          restore_s=info.extra.get("restore_s"))
+            detail.update(
+                image_bytes=info.image_bytes,
+                gpu_bytes=info.gpu_bytes,
+                error=info.error,
+                restore_s=info.extra.get("restore_s"),
+            )
             if info.extra.get("retention_days") is not None:  # the backend's own word on this one
                 detail["retention_days"] = info.extra["retention_days"]
             if restored and info.gpu_count:
                 metrics.GPU_SECONDS_FREED.inc(max(0.0, now - status.state_since) * info.gpu_count)
         started = server.started.timestamp() if server.started else now
-        ids = self.execute(status, "returned", persist=False, now=now, restored=restored, started=started, **detail)
+        ids = self.execute(
+            status, "returned", persist=False, now=now, restored=restored, started=started, **detail
+        )
         metrics.ACTIONS.labels(action="restore", result="ok" if restored else "failed").inc()
         if not restored:
             metrics.FAILURES.labels(kind="restore").inc()
-        self.log.info("%s: %s from checkpoint %s", status.key, "restored" if restored else "restore failed, fresh start", status.checkpoint_id)
-        await self._notify("restored" if restored else "restore_failed", status, str(ids[kind]), detail)
+        self.log.info(
+            "%s: %s from checkpoint %s",
+            status.key,
+            "restored" if restored else "restore failed, fresh start",
+            status.checkpoint_id,
+        )
+        await self._notify(
+            "restored" if restored else "restore_failed", status, str(ids[kind]), detail
+        )
         return True
 
     async def _interrupted(self, status: ServerStatus, server: Server | None, now: float) -> str:
@@ -399,12 +426,16 @@ class Watcher(LoggingConfigurable):
             try:
                 info = await self.backend.latest(status.user, status.name)
             except Exception as e:
-                self.log.warning("%s: cannot read the checkpoint of the interrupted suspension: %s", key, e)
+                self.log.warning(
+                    "%s: cannot read the checkpoint of the interrupted suspension: %s", key, e
+                )
                 return "unknown"  # look again next tick; nothing is lost meanwhile
         if info is not None and info.created >= status.state_since - 1:
             self.log.warning("%s: suspension interrupted by a service restart; its checkpoint %s is "
                              "verified: finishing it", key, info.id)  # fmt: skip
-            task = asyncio.ensure_future(self._finish_suspension(status, info, status.reason or "idle", recovered=True))
+            task = asyncio.ensure_future(
+                self._finish_suspension(status, info, status.reason or "idle", recovered=True)
+            )
             self._inflight[key] = task
             task.add_done_callback(lambda _: self._inflight.pop(key, None))
             return "finishing"
@@ -447,7 +478,9 @@ class Watcher(LoggingConfigurable):
         try:
             info = await self.backend.get(status.checkpoint_id)
         except Exception as e:
-            self.log.warning("%s: could not read checkpoint %s: %s", status.key, status.checkpoint_id, e)
+            self.log.warning(
+                "%s: could not read checkpoint %s: %s", status.key, status.checkpoint_id, e
+            )
             return False
         if info is None or info.status != "failed" or not (info.error or "").startswith(UNFINISHED):
             return False
@@ -455,10 +488,17 @@ class Watcher(LoggingConfigurable):
                   "gpu_bytes": info.gpu_bytes}  # fmt: skip
         if info.extra.get("retention_days") is not None:
             detail["retention_days"] = info.extra["retention_days"]
-        ids = self.execute(status, "restore_unfinished", info.error, persist=False, now=now, **detail)
+        ids = self.execute(
+            status, "restore_unfinished", info.error, persist=False, now=now, **detail
+        )
         metrics.ACTIONS.labels(action="restore", result="failed").inc()
         metrics.FAILURES.labels(kind="restore").inc()
-        self.log.error("%s: restored from checkpoint %s, then stopped: %s", status.key, status.checkpoint_id, info.error)
+        self.log.error(
+            "%s: restored from checkpoint %s, then stopped: %s",
+            status.key,
+            status.checkpoint_id,
+            info.error,
+        )
         await self._notify("restore_failed", status, str(ids["restore_failed"]), detail)
         return True
 
@@ -489,7 +529,9 @@ class Watcher(LoggingConfigurable):
         for _, _, server, plain_stop, reason in due:
             self.start_suspend(server, plain_stop=plain_stop, reason=reason)
 
-    def start_suspend(self, server: Server, plain_stop: bool = False, reason: str = "idle") -> asyncio.Task | None:
+    def start_suspend(
+        self, server: Server, plain_stop: bool = False, reason: str = "idle"
+    ) -> asyncio.Task | None:
         """Suspend a server in the background (bounded by suspend_concurrency)."""
         if server.key in self._inflight:
             return self._inflight[server.key]
@@ -538,7 +580,9 @@ class Watcher(LoggingConfigurable):
             metrics.ACTION_SECONDS.labels(action="suspend").observe(time.perf_counter() - t0)
             await self._finish_suspension(status, info, reason)
 
-    async def _finish_suspension(self, status: ServerStatus, info, reason: str, recovered: bool = False) -> None:
+    async def _finish_suspension(
+        self, status: ServerStatus, info, reason: str, recovered: bool = False
+    ) -> None:
         """The checkpoint is verified and the processes are gone: stop the server in the Hub,
         claim the user's "suspended" email, then record the server ``suspended``.
 
@@ -554,7 +598,11 @@ class Watcher(LoggingConfigurable):
         except (HubError, OSError) as e:
             # The spawner's poll finds the process gone and stops it with will_resume; not lost.
             metrics.FAILURES.labels(kind="hub").inc()
-            self.log.warning("%s: checkpoint verified but the Hub stop failed (%s); the Hub's poll will stop it", key, e)
+            self.log.warning(
+                "%s: checkpoint verified but the Hub stop failed (%s); the Hub's poll will stop it",
+                key,
+                e,
+            )
         detail = info.as_dict()
         if recovered:
             detail["recovered"] = True
@@ -617,17 +665,23 @@ class Watcher(LoggingConfigurable):
             action = effect.action
             if action == "record":
                 if effect.kind == "state":
-                    self.log.info("%s: %s -> %s (%s)", status.key, was, status.state, effect.detail["reason"])
+                    self.log.info(
+                        "%s: %s -> %s (%s)", status.key, was, status.state, effect.detail["reason"]
+                    )
                 if batch:
                     self.store.add_event(status.key, effect.kind, effect.detail)
                 else:
-                    ids[effect.kind] = self.store.record_event(status.key, effect.kind, effect.detail)
+                    ids[effect.kind] = self.store.record_event(
+                        status.key, effect.kind, effect.detail
+                    )
             elif action == "forget":
                 self._forget(status.key)
             elif action == "warn":
                 pending.append(self._warn(status, decision))
             elif action in ("suspend", "stop"):
-                self._due.append((-decision.idle_seconds, server.key, server, action == "stop", decision.reason))
+                self._due.append(
+                    (-decision.idle_seconds, server.key, server, action == "stop", decision.reason)
+                )
             elif action in ("park", "unpark"):
                 server = server or self.servers.get(status.key)
                 if server is not None:
@@ -642,9 +696,13 @@ class Watcher(LoggingConfigurable):
             return
         claimed = asyncio.get_running_loop().create_future() if wait_claim else None
         try:
-            task = await self.notifier.notify_event(kind, status, event_ref, detail, claimed=claimed)
+            task = await self.notifier.notify_event(
+                kind, status, event_ref, detail, claimed=claimed
+            )
             if claimed is not None:
-                await asyncio.wait({claimed, task}, timeout=CLAIM_TIMEOUT, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(
+                    {claimed, task}, timeout=CLAIM_TIMEOUT, return_when=asyncio.FIRST_COMPLETED
+                )
         except Exception as e:  # email never blocks or undoes a checkpoint
             metrics.FAILURES.labels(kind="email").inc()
             self.log.error("%s: %s email failed: %s", status.key, kind, e)
@@ -674,7 +732,11 @@ class Watcher(LoggingConfigurable):
         rule = self.policy.rule_for(server) if server else self.policy.default
         until = clamp_keep(until, self.clock(), rule)
         self.execute(status, "keep", "keep running requested", until=until)
-        self.log.info("%s: kept running until %s", key, time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(status.keep_until)))
+        self.log.info(
+            "%s: kept running until %s",
+            key,
+            time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(status.keep_until)),
+        )
         return status
 
     def request_exempt(self, key: str, exempt: bool, by: str) -> ServerStatus:

@@ -34,13 +34,25 @@ from tests.helpers.gpusnap_service import GpuSnapService
 pytestmark = pytest.mark.e2e
 
 CALLERS = [
-    "anonymous", "other", "owner", "owner_server", "reader", "admin", "hub_admin", "service",
+    "anonymous",
+    "other",
+    "owner",
+    "owner_server",
+    "reader",
+    "admin",
+    "hub_admin",
+    "service",
     "owner_limited",
 ]
 
 #: Callers that must never see another user's data: who they are → the user whose data they may see.
-PRIVATE = {"other": "bob", "owner": "alice", "owner_server": "alice", "service": None,
-           "owner_limited": None}
+PRIVATE = {
+    "other": "bob",
+    "owner": "alice",
+    "owner_server": "alice",
+    "service": None,
+    "owner_limited": None,
+}
 USERS = ("alice", "bob")
 
 
@@ -75,7 +87,12 @@ NOBODY_PAGE = {"anonymous": 302, "service": 302, "owner_limited": 302}
 PAGE_ANY_USER = {**ANY_USER, **NOBODY_PAGE}
 PAGE_READ_SERVER = {**READ_SERVER, **NOBODY_PAGE}
 PAGE_WRITE_SERVER = {**READ_SERVER, "reader": 404, **NOBODY_PAGE}
-PAGE_WRITE_SERVER_POST = {**PAGE_WRITE_SERVER, "anonymous": 403, "service": 403, "owner_limited": 403}
+PAGE_WRITE_SERVER_POST = {
+    **PAGE_WRITE_SERVER,
+    "anonymous": 403,
+    "service": 403,
+    "owner_limited": 403,
+}
 PAGE_READERS = {**READERS, **NOBODY_PAGE}
 
 
@@ -120,11 +137,19 @@ API_CASES = [
     Case("POST", "api/make-room", ADMINS, body={"bytes": 1024}),
     Case("POST", "api/make-room", ADMINS, body={"bytes": 1024, "gpu": 0}),
     Case("POST", "api/servers/alice/jupyter", REPORT, body={"kernels": [], "terminals": []}),
-    Case("POST", "api/servers/bob/jupyter", {**REPORT, "owner_server": 403},
-         body={"kernels": [], "terminals": []}),
+    Case(
+        "POST",
+        "api/servers/bob/jupyter",
+        {**REPORT, "owner_server": 403},
+        body={"kernels": [], "terminals": []},
+    ),
     # alice/'s token is not alice/lab's either
-    Case("POST", "api/servers/alice/lab/jupyter", {**REPORT, "owner_server": 403},
-         body={"kernels": [], "terminals": []}),
+    Case(
+        "POST",
+        "api/servers/alice/lab/jupyter",
+        {**REPORT, "owner_server": 403},
+        body={"kernels": [], "terminals": []},
+    ),
     Case("GET", "api/events?server=alice/", READ_SERVER),
     Case("GET", "api/events?server=alice/lab&limit=5", READ_SERVER),
     Case("GET", "metrics", READERS),
@@ -148,6 +173,7 @@ SUSPEND_ALLOWED = {
     "owner_server": "alice/",
 }
 assert set(SUSPEND_ALLOWED) == {c for c, s in WRITE_SERVER.items() if s == 200}
+
 
 def server_token(pid: int) -> str:
     """The single-user server's own Hub token, from its process environment (we run as root)."""
@@ -362,11 +388,15 @@ async def test_the_service_reaches_no_server_and_a_busy_kernel_reported_by_its_s
         code, kernel = await hub.user_request("alice", "api/kernels", "POST", {})
         assert code == 201, kernel
         busy_cell = asyncio.ensure_future(
-            hub.execute("alice", "import time; time.sleep(600)", kernel_id=kernel["id"], timeout=900)
+            hub.execute(
+                "alice", "import time; time.sleep(600)", kernel_id=kernel["id"], timeout=900
+            )
         )
 
         async def kernel_busy():
-            code, model = await hub.user_request("alice", f"api/kernels/{kernel['id']}?no_track_activity=1")
+            code, model = await hub.user_request(
+                "alice", f"api/kernels/{kernel['id']}?no_track_activity=1"
+            )
             return code == 200 and model["execution_state"] == "busy"
 
         await service.wait_for(kernel_busy, what="alice's cell to run")
@@ -376,7 +406,9 @@ async def test_the_service_reaches_no_server_and_a_busy_kernel_reported_by_its_s
             status = await service.server_status("alice/")
             return status if status and status["signals"].get("kernels_busy") == 1 else None
 
-        seen = await service.wait_for(alice_busy, what="alice's busy kernel, as her server reported it")
+        seen = await service.wait_for(
+            alice_busy, what="alice's busy kernel, as her server reported it"
+        )
         assert "jupyter" not in seen["signals"].get("errors", {}), seen
         started = asyncio.get_running_loop().time()
 
@@ -395,13 +427,17 @@ async def test_the_service_reaches_no_server_and_a_busy_kernel_reported_by_its_s
         assert status["state"] == "active" and status["signals"]["kernels_busy"] == 1, status
 
         # the cell ends (interrupt): her server reports an idle kernel, and now it goes
-        code, _ = await hub.user_request("alice", f"api/kernels/{kernel['id']}/interrupt", "POST", {})
+        code, _ = await hub.user_request(
+            "alice", f"api/kernels/{kernel['id']}/interrupt", "POST", {}
+        )
         assert code == 204
 
         async def alice_stopped():
             return await hub.get_server("alice") is None
 
-        await service.wait_for(alice_stopped, timeout=90, what="alice's server, idle now, to be stopped")
+        await service.wait_for(
+            alice_stopped, timeout=90, what="alice's server, idle now, to be stopped"
+        )
     finally:
         if busy_cell is not None:
             busy_cell.cancel()

@@ -187,7 +187,9 @@ async def test_bad_input_is_a_400_that_says_why_never_a_500(hub_factory, tmp_pat
         assert code in (400, 403), data
         # ?limit= is 1..500: no way around the cap
         for limit in ("-1", "0", "501", "1e3", "x"):
-            code, data = await service.api("GET", f"api/events?server=alice/&limit={limit}", token=alice)
+            code, data = await service.api(
+                "GET", f"api/events?server=alice/&limit={limit}", token=alice
+            )
             assert code == 400 and "limit" in data["message"], (limit, code, data)
         code, data = await service.api("GET", "api/events?server=alice/&limit=500", token=alice)
         assert code == 200, data
@@ -205,12 +207,16 @@ async def test_bad_input_is_a_400_that_says_why_never_a_500(hub_factory, tmp_pat
         # a logged-in caller's body over 1 MiB is refused before it is read, too (400)
         answer = await raw_exchange(
             service.port,
-            head.replace(b"Host: 127.0.0.1\r\n", f"Host: 127.0.0.1\r\nAuthorization: token {alice}\r\n".encode()),
+            head.replace(
+                b"Host: 127.0.0.1\r\n",
+                f"Host: 127.0.0.1\r\nAuthorization: token {alice}\r\n".encode(),
+            ),
         )
         assert answer.startswith(b"HTTP/1.1 400"), answer[:300]
         # a body up to the limit is read (and judged)
-        code, data = await service.api("POST", keep, b'{"seconds": 60, "pad": "' + b"x" * 500_000 + b'"}',
-                                       token=alice)
+        code, data = await service.api(
+            "POST", keep, b'{"seconds": 60, "pad": "' + b"x" * 500_000 + b'"}', token=alice
+        )
         assert code == 200, data
 
         # every page and answer says where it may be shown and what it may load

@@ -21,7 +21,9 @@ def test_scrub_bench_rows_add_up(tmp_path):
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = {r["row"]: r for r in json.loads((tmp_path / "results" / "scrub.json").read_text())["rows"]}
+    rows = {
+        r["row"]: r for r in json.loads((tmp_path / "results" / "scrub.json").read_text())["rows"]
+    }
     new, twice = rows["new"], rows["new, every chunk twice"]
     assert new["written_mib"] > 0 and twice["written_mib"] == 2 * new["written_mib"]
     assert rows["again, trusted"]["written_mib"] == 0 and rows["again, trusted"]["read_mib"] == 0

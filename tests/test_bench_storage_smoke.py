@@ -43,7 +43,10 @@ def test_storage_bench_restores_twice_and_reports_the_pipe(tmp_path):
     assert all(r["intact"] for r in doc["rows"])  # both restores of every checkpoint
     assert doc["restores"] == 2
     # each checkpoint restored right after it was taken, then once more in turns across the rows
-    rows = [f"random: {m}" for m in ("files", "chunks", "chunks, again", "chunks, again, unpacked first")]
+    rows = [
+        f"random: {m}"
+        for m in ("files", "chunks", "chunks, again", "chunks, again, unpacked first")
+    ]
     assert doc["restore_order"] == rows + rows
     assert all(r["restore_min_s"] <= r["restore_s"] <= r["restore_max_s"] for r in doc["rows"])
     assert modes["files"]["pipe_kib"] is None and modes["chunks"]["pipe_kib"] > 0

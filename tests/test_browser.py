@@ -297,7 +297,9 @@ c.Spawner.default_url = "/lab"
 
         # the Hub's home page and the service's page say so, in plain words, and offer Restore
         await lab.goto(hub.url + "hub/home")
-        await expect(lab.locator("#gpusnap-suspended")).to_contain_text("Your kernels, their variables")
+        await expect(lab.locator("#gpusnap-suspended")).to_contain_text(
+            "Your kernels, their variables"
+        )
         await expect(lab.locator("#start")).to_have_text("Restore My Server")
         await lab.goto(hub.url + "services/gpusnap/")
         card = lab.locator("section.server", has_text="alice/")

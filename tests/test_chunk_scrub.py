@@ -81,7 +81,9 @@ async def test_shared_chunk_damaged_scrub_and_restore_repair_it_from_the_replica
     good = flip_bit(first)
     repaired_before = damaged("scrub", "repaired")
     report = await backend.scrub(full=True)
-    assert report["full"] and [r.split(":")[0] for r in report["repaired"]] == [f"{shared[0][:12]}…"]
+    assert report["full"] and [r.split(":")[0] for r in report["repaired"]] == [
+        f"{shared[0][:12]}…"
+    ]
     assert report["damaged"] == [] and report["checkpoints_damaged"] == []
     assert report["bytes_read"] >= report["chunks"] and report["ok"] == report["chunks"] - 1
     assert first.read_bytes() == good
@@ -170,7 +172,9 @@ async def test_a_suspension_repairs_a_damaged_shared_chunk_it_would_have_trusted
     assert biggest in chunk_ids(backend, bob)
     assert store.path("plain", biggest).read_bytes() == good
     assert damaged("write", "repaired") == write_before + 1
-    await restore_both_intact(backend, [alice_tree, bob_tree], [alice, bob], [alice_before, bob_before])
+    await restore_both_intact(
+        backend, [alice_tree, bob_tree], [alice, bob], [alice_before, bob_before]
+    )
 
 
 async def test_a_sweep_deletes_replicas_no_checkpoint_needs(tmp_path, process_tree):

@@ -27,14 +27,35 @@ from jupyterhub_gpusnap.watcher import Watcher
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 #: the service and everything it configures (what --generate-config prints, and the rest)
-CLASSES = [GpuSnap, Watcher, HubClient, LocalBackend, CudaCheckpoint, Parking, KubernetesBackend,
-           AgentConnection, AgentLocator, KubeAPI, RegistryClient, SignalSource, JupyterSignal,
-           NvmlSignal, PrometheusSignal, AgentSignal, LocalProcessSignal, Mailer, Notifier, ServiceNotifier,
-           Backoff]
+CLASSES = [
+    GpuSnap,
+    Watcher,
+    HubClient,
+    LocalBackend,
+    CudaCheckpoint,
+    Parking,
+    KubernetesBackend,
+    AgentConnection,
+    AgentLocator,
+    KubeAPI,
+    RegistryClient,
+    SignalSource,
+    JupyterSignal,
+    NvmlSignal,
+    PrometheusSignal,
+    AgentSignal,
+    LocalProcessSignal,
+    Mailer,
+    Notifier,
+    ServiceNotifier,
+    Backoff,
+]
 
 
 def settings() -> set[str]:
-    return {f"{cls.__name__}.{name}" for cls in CLASSES for name in cls.class_own_traits(config=True)}
+    return {
+        f"{cls.__name__}.{name}" for cls in CLASSES for name in cls.class_own_traits(config=True)
+    }
 
 
 def test_the_classes_cover_what_generate_config_prints():
@@ -52,8 +73,12 @@ def test_the_docs_name_no_setting_that_does_not_exist():
     by_name = {cls.__name__: cls for cls in CLASSES}
     names = set(by_name)
     # methods named in the text (LocalBackend.apply_retention()) are not settings
-    methods = {f"{n}.{a}" for n, cls in by_name.items() for a in dir(cls)
-               if callable(getattr(cls, a, None)) and not cls.class_traits().get(a)}
+    methods = {
+        f"{n}.{a}"
+        for n, cls in by_name.items()
+        for a in dir(cls)
+        if callable(getattr(cls, a, None)) and not cls.class_traits().get(a)
+    }
     known = settings() | methods
     for page in ("configuration.md", "install.md", "operations.md"):
         text = (DOCS / page).read_text()
@@ -66,7 +91,7 @@ def test_install_shows_min_running_and_proxy_url():
     """An admin who shrinks idle_window must meet min_running; proxy_url is how the service
     reaches servers' kernels."""
     text = (DOCS / "install.md").read_text()
-    snippet = text[text.index("## 3. The service's config"):]
+    snippet = text[text.index("## 3. The service's config") :]
     assert "c.GpuSnap.min_running = 600" in snippet
     assert "c.GpuSnap.proxy_url = " in snippet
     assert GpuSnap.min_running.default_value == 600

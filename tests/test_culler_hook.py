@@ -35,8 +35,13 @@ async def test_culler_with_our_arbiter_culls_only_the_idle_server(hub):
         decisions[server["url"]] = verdict
         return verdict
 
-    await cull_idle(url=hub.api_url, api_token=hub.admin_token, inactive_limit=1,
-                    logger=logging.getLogger("culler"), cull_arbiter=recording_arbiter)
+    await cull_idle(
+        url=hub.api_url,
+        api_token=hub.admin_token,
+        inactive_limit=1,
+        logger=logging.getLogger("culler"),
+        cull_arbiter=recording_arbiter,
+    )
     assert decisions == {"/user/alice/": True, "/user/bob/": False}, decisions
     assert await hub.get_server("alice") is None
     assert await hub.get_server("bob") is not None

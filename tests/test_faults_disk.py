@@ -279,9 +279,13 @@ async def test_two_suspensions_racing_for_the_disk(sized_disk, process_tree):
     disk = sized_disk(int(estimate * 1.5) >> 20)
     backend = LocalBackend(checkpoint_dir=str(disk / "checkpoints"), min_free_bytes=0)
     users = ["alice", "bob"]
-    targets = [Server(user=u, name="", state={"pid": s.pid}) for u, s in zip(users, servers, strict=True)]
+    targets = [
+        Server(user=u, name="", state={"pid": s.pid}) for u, s in zip(users, servers, strict=True)
+    ]
 
-    results = await asyncio.gather(*(backend.checkpoint(t) for t in targets), return_exceptions=True)
+    results = await asyncio.gather(
+        *(backend.checkpoint(t) for t in targets), return_exceptions=True
+    )
 
     ok = [i for i, r in enumerate(results) if not isinstance(r, BaseException)]
     refused = [i for i, r in enumerate(results) if isinstance(r, CheckpointRefused)]

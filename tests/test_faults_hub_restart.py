@@ -138,10 +138,14 @@ async def test_service_crash_then_api_email_keep_state(hub_factory, tmp_path):
         # "suspend now" (an exemption stays), then kill the service once CRIU's dump is complete
         code, body = await service.api("POST", "api/servers/alice/suspend", {})
         assert code == 202, body
-        await service.wait_for(lambda: asyncio.sleep(0, marker.exists()), timeout=120, what="the dump to finish")
+        await service.wait_for(
+            lambda: asyncio.sleep(0, marker.exists()), timeout=120, what="the dump to finish"
+        )
         await service.kill()
         [folder] = [p for p in (ckpt / "alice" / "_default").iterdir() if p.is_dir()]
-        assert '"status": "writing"' in (folder / "manifest.json").read_text()  # not verified by the service
+        assert (
+            '"status": "writing"' in (folder / "manifest.json").read_text()
+        )  # not verified by the service
         assert smtp.messages == []
 
         await service.start(hub)
@@ -151,11 +155,15 @@ async def test_service_crash_then_api_email_keep_state(hub_factory, tmp_path):
             s = await service.server_status("alice/")
             return s if s and s["state"] == "suspended" else None
 
-        alice = await service.wait_for(suspended, timeout=120, what="alice shown suspended after the restart")
+        alice = await service.wait_for(
+            suspended, timeout=120, what="alice shown suspended after the restart"
+        )
         assert alice["checkpoint_id"] == f"alice/_default/{folder.name}", alice
         assert alice["exempt"] is True
         code, page = await service.api("GET", "status/alice/")  # the user's status page
-        assert code == 200 and '<span class="badge" data-state="suspended">suspended</span>' in page, page
+        assert (
+            code == 200 and '<span class="badge" data-state="suspended">suspended</span>' in page
+        ), page
         assert await hub.get_server("alice") is None  # stopped in the Hub, restorable
         bob = await service.server_status("bob/")
         assert bob["keep_until"] == bob_keep and bob["state"] == "active", bob
@@ -172,7 +180,9 @@ async def test_service_crash_then_api_email_keep_state(hub_factory, tmp_path):
         # a second crash and restart: no second email, state and exemption as they were
         await service.kill()
         await service.start(hub)
-        await service.wait_for(lambda: ticks_past(service, 3), what="three ticks after the second restart")
+        await service.wait_for(
+            lambda: ticks_past(service, 3), what="three ticks after the second restart"
+        )
         assert len(smtp.messages) == 1, [m.subject for m in smtp.messages]
         alice = await service.server_status("alice/")
         assert alice["state"] == "suspended" and alice["exempt"] is True, alice

@@ -45,7 +45,9 @@ async def test_deleted_manifest_starts_fresh_and_keeps_the_image(hub_factory, tm
     await hub.start_server("alice")
     kid, out = await hub.execute("alice", "x = 42\nprint('set')")
     assert out.strip() == "set"
-    _, old_token = await hub.execute("alice", "import os; print(os.environ['JUPYTERHUB_API_TOKEN'])")
+    _, old_token = await hub.execute(
+        "alice", "import os; print(os.environ['JUPYTERHUB_API_TOKEN'])"
+    )
     old_token = old_token.strip()
     assert (await hub.api("GET", "/user", token=old_token))[0] == 200
 

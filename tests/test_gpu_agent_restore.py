@@ -182,7 +182,14 @@ async def test_agent_checkpoints_and_restores_a_gpu_process_into_a_placeholder(t
     )
     holder = [python, "-c", HOLDER, str(channel), str(gib)]
     pod = CgroupPod(
-        ["unshare", "--net", "--ipc", "--uts", "--", *sandbox.command(holder, str(tmp_path / "server.log"), python=python)],
+        [
+            "unshare",
+            "--net",
+            "--ipc",
+            "--uts",
+            "--",
+            *sandbox.command(holder, str(tmp_path / "server.log"), python=python),
+        ],
         tmp_path,
     )
     placeholder = None
@@ -214,7 +221,9 @@ async def test_agent_checkpoints_and_restores_a_gpu_process_into_a_placeholder(t
 
         pod.stop()  # the Hub deletes the pod
         cluster.kube.pods.pop(("jhub", "jupyter-alice"))
-        placeholder = CgroupPod(["unshare", "--net", "--ipc", "--uts", "--", "sleep", "infinity"], tmp_path)
+        placeholder = CgroupPod(
+            ["unshare", "--net", "--ipc", "--uts", "--", "sleep", "infinity"], tmp_path
+        )
         cluster.kube.add_pod("jhub", "jupyter-alice", NODE, runtime=placeholder,
                              annotations={"gpusnap.jupyter.org/placeholder-for": body["id"]})  # fmt: skip
         (waiting,) = placeholder.pids()
@@ -227,7 +236,9 @@ async def test_agent_checkpoints_and_restores_a_gpu_process_into_a_placeholder(t
         # in the placeholder's cgroup and namespaces (a PID namespace of its own)
         assert restored in placeholder.pids() and done["placeholder_pid"] == waiting
         for ns in ("net", "ipc", "uts"):
-            assert os.readlink(f"/proc/{restored}/ns/{ns}") == os.readlink(f"/proc/{waiting}/ns/{ns}")
+            assert os.readlink(f"/proc/{restored}/ns/{ns}") == os.readlink(
+                f"/proc/{waiting}/ns/{ns}"
+            )
 
         started = time.monotonic()
         again = ask(channel)

@@ -18,8 +18,15 @@ H100 = "NVIDIA H100 80GB HBM3"
 
 
 def manifest(**kw) -> Manifest:
-    m = Manifest(user="alice", server="", created=0.0, cuda_pids=[42], gpu_model=H100,
-                 gpu_count=1, driver_version="580.159.04")
+    m = Manifest(
+        user="alice",
+        server="",
+        created=0.0,
+        cuda_pids=[42],
+        gpu_model=H100,
+        gpu_count=1,
+        driver_version="580.159.04",
+    )
     m.extra["gpu_devices"] = kw.pop("devices", [0])
     for k, v in kw.items():
         setattr(m, k, v)
@@ -38,7 +45,11 @@ def here(**kw) -> dict:
         (manifest(), {"error": "NVML Shared Library Not Found"}, ["no usable GPU", "NVML Shared"]),
         (manifest(), here(gpu_model="NVIDIA A100-SXM4-40GB"), ["A100", "same GPU model", H100]),
         (manifest(devices=[0, 3]), here(gpu_count=2), ["GPU 3", "2 GPU(s)", "at least 4"]),
-        (manifest(), here(driver_version="590.10"), ["580.159.04", "590.10", "before upgrading the driver"]),
+        (
+            manifest(),
+            here(driver_version="590.10"),
+            ["580.159.04", "590.10", "before upgrading the driver"],
+        ),
     ],
     ids=["same", "cpu-only", "no-gpu", "other-model", "too-few-gpus", "other-driver"],
 )

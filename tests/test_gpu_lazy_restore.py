@@ -68,7 +68,9 @@ c.{spawner}.restore_timeout = 120
             await hub.start_server(user, timeout=240)
             same, out = await hub.execute(user, "print(x)", kernel_id=kernel, timeout=120)
         except Exception as e:
-            raise AssertionError(f"no restored kernel ({e!r}); the Hub's log:\n{hub.log_tail()}") from e
+            raise AssertionError(
+                f"no restored kernel ({e!r}); the Hub's log:\n{hub.log_tail()}"
+            ) from e
         assert (same, out.strip()) == (kernel, "42")
         m = Manifest.load(folder)
         assert m.status == "restored", m.error
@@ -87,7 +89,10 @@ c.{spawner}.restore_timeout = 120
             await asyncio.sleep(0.1)
         phases = m.extra["restore_phases"]
         assert m.status == "restored", m.error
-        assert "gpu_pending" not in m.extra and "lazy_pending" not in m.extra, (m.extra, hub.log_tail())
+        assert "gpu_pending" not in m.extra and "lazy_pending" not in m.extra, (
+            m.extra,
+            hub.log_tail(),
+        )
         assert phases["gpu_behind_s"] > 0 and phases["full_restore_s"] > 0, phases
         assert "GPU memory back after" in hub.log_text()
         used_back, _ = gpu_used()

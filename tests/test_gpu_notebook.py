@@ -36,9 +36,12 @@ async def test_gpu_notebook_is_suspended_by_the_service_and_comes_back(
     ckpt = tmp_path / "checkpoints"
     (tmp_path / "smtp").mkdir()
     smtp = SmtpServer(tmp_path / "smtp").start()
-    service = GpuSnapService(tmp_path / "gpusnap", settings(ckpt, smtp).replace(
-        "c.GpuSnap.idle_window = 8", "c.GpuSnap.idle_window = 20"
-    ).replace("c.GpuSnap.warn_before = 3", "c.GpuSnap.warn_before = 8"))
+    service = GpuSnapService(
+        tmp_path / "gpusnap",
+        settings(ckpt, smtp)
+        .replace("c.GpuSnap.idle_window = 8", "c.GpuSnap.idle_window = 20")
+        .replace("c.GpuSnap.warn_before = 3", "c.GpuSnap.warn_before = 8"),
+    )
     user = system_users().pw_name
     spawner = "SnapLocalProcessSpawner"
     hub = await hub_factory(
@@ -81,8 +84,10 @@ c.{spawner}.restore_timeout = 120
         # the user comes back: same kernel, same tensors, the GPU usable
         await hub.start_server(user, timeout=240)
         same, out = await hub.execute(
-            user, "print(digest(), x, torch.equal((xs[0] * 2) / 2, xs[0]))",
-            kernel_id=kernel, timeout=180,
+            user,
+            "print(digest(), x, torch.equal((xs[0] * 2) / 2, xs[0]))",
+            kernel_id=kernel,
+            timeout=180,
         )
         assert same == kernel
         got, x, gpu_ok = out.split()

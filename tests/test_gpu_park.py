@@ -36,10 +36,14 @@ async def test_parked_kernel_frees_the_gpu_and_the_next_cell_unparks_it(tmp_path
     try:
         await server.wait()
         kernel = await new_kernel(server.base, server.token)
-        out, _ = await execute(server.base, server.token, kernel,
-                               "import torch\n"
-                               f"t = torch.rand({8 * GiB // 4}, device='cuda')\n"
-                               "s = float(t.double().sum()); print('ready', s)")
+        out, _ = await execute(
+            server.base,
+            server.token,
+            kernel,
+            "import torch\n"
+            f"t = torch.rand({8 * GiB // 4}, device='cuda')\n"
+            "s = float(t.double().sum()); print('ready', s)",
+        )
         assert out.startswith("ready"), out
         cuda = CudaCheckpoint()
         pids = tree_pids(server.proc.pid)
@@ -51,15 +55,23 @@ async def test_parked_kernel_frees_the_gpu_and_the_next_cell_unparks_it(tmp_path
         assert allocate_elsewhere(int(free_before + 6 * GiB))
         assert server.proc.poll() is None
         # the user runs a cell: it unparks by itself and computes the right answer
-        out, latency = await execute(server.base, server.token, kernel, "print(float(t.double().sum()) == s)")
+        out, latency = await execute(
+            server.base, server.token, kernel, "print(float(t.double().sum()) == s)"
+        )
         assert out.strip() == "True", out
         assert all(cuda.state(p) in (None, "running") for p in pids)
         print(f"cell latency after park of {result.bytes_moved / GiB:.1f} GiB: {latency:.2f}s")
 
         # a park while a cell computes is refused ("busy") and nothing changes
-        task = asyncio.ensure_future(execute(server.base, server.token, kernel,
-                                             "import time\nend = time.time() + 8\n"
-                                             "while time.time() < end: t.mul_(1.0)\nprint('done')"))
+        task = asyncio.ensure_future(
+            execute(
+                server.base,
+                server.token,
+                kernel,
+                "import time\nend = time.time() + 8\n"
+                "while time.time() < end: t.mul_(1.0)\nprint('done')",
+            )
+        )
         await asyncio.sleep(2)
         with pytest.raises(GpuBusy):
             await park(pids, cuda, lock_timeout_ms=1)
@@ -67,7 +79,9 @@ async def test_parked_kernel_frees_the_gpu_and_the_next_cell_unparks_it(tmp_path
         assert out.strip() == "done"
         # and once the cell is over, the retry goes through
         assert (await park(pids, cuda)).bytes_moved > 0
-        out, _ = await execute(server.base, server.token, kernel, "print(float(t.double().sum()) == s)")
+        out, _ = await execute(
+            server.base, server.token, kernel, "print(float(t.double().sum()) == s)"
+        )
         assert out.strip() == "True"
     finally:
         server.stop()

@@ -22,7 +22,10 @@ async def test_gpu_process_suspended_and_restored_bit_identical(tmp_path, storag
     nvml = Nvml()
     assert nvml.open(), "NVML is needed for this test"
     backend = LocalBackend(
-        checkpoint_dir=str(tmp_path / "ckpt"), criu_path=find_criu(), min_free_bytes=0, storage=storage
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        criu_path=find_criu(),
+        min_free_bytes=0,
+        storage=storage,
     )
     await backend.setup()
     holder = Holder(1, tmp_path)
@@ -48,8 +51,12 @@ async def test_busy_gpu_refuses_and_leaves_the_process_running(tmp_path):
     from jupyterhub_gpusnap.checkpoint.base import CheckpointRefused
     from tests.helpers.gpu_helpers import GpuProcess
 
-    backend = LocalBackend(checkpoint_dir=str(tmp_path / "ckpt"), criu_path=find_criu(), min_free_bytes=0,
-                           lock_timeout_ms=1)
+    backend = LocalBackend(
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        criu_path=find_criu(),
+        min_free_bytes=0,
+        lock_timeout_ms=1,
+    )
     await backend.setup()
     proc = GpuProcess(["hold", "--gib", "1"])
     try:

@@ -60,7 +60,9 @@ def z2jh_schema() -> dict:
     schema = yaml.safe_load(SCHEMA.read_text())
     # the real chart schema, not a stub: the sections our values set are all described
     assert schema["additionalProperties"] is False
-    assert {"hub", "proxy", "singleuser", "scheduling", "cull", "custom"} <= set(schema["properties"])
+    assert {"hub", "proxy", "singleuser", "scheduling", "cull", "custom"} <= set(
+        schema["properties"]
+    )
     return schema
 
 
@@ -314,7 +316,9 @@ def test_values_give_the_lab_panel_what_it_needs(values):
     image = singleuser["image"]["name"]
     notebook = (HELM / "Dockerfile.notebook").read_text()
     assert f"-t {image}:{singleuser['image']['tag']} ." in notebook
-    assert not [p for p in singleuser["profileList"] if "image" in p.get("kubespawner_override", {})]
+    assert not [
+        p for p in singleuser["profileList"] if "image" in p.get("kubespawner_override", {})
+    ]
     install = next(line for line in notebook.splitlines() if "pip install" in line)
     assert "/tmp/jupyterhub-gpusnap" in install and "[" not in install  # the base package only
 

@@ -113,6 +113,7 @@ c.LocalBackend.average_chunk_bytes = {64 << 10}
     await app.housekeeping()
     assert app._scrub_task is not None
     await app._scrub_task  # the failure stays inside the task
+
     def failures():
         return [r for r in caplog.records if r.getMessage().startswith("Checkpoint scrub failed:")]
 

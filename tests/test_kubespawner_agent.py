@@ -252,7 +252,9 @@ def hub_config(s) -> Config:
     spawner.restore_timeout = 120
     spawner.server_poll_interval = 0.1
     c.AgentConnection.agent_namespace = "gpusnap-system"
-    c.AgentConnection.agent_port = s.gateway.port  # the spawner reaches the agent through the gateway
+    c.AgentConnection.agent_port = (
+        s.gateway.port
+    )  # the spawner reaches the agent through the gateway
     c.AgentConnection.agent_api_token = AGENT_SECRET
     c.KubeAPI.api_url = s.kube.url
     c.KubeAPI.token_file = str(token)
@@ -271,9 +273,14 @@ def hub_config(s) -> Config:
 def make_spawner(config: Config, token: str) -> SnapKubeSpawner:
     user = SimpleNamespace(name="alice", id=7, url="/user/alice/")
     hub = SimpleNamespace(
-        api_url="http://hub:8081/hub/api", base_url="/hub/", url="http://hub:8081/hub/", public_host=""
+        api_url="http://hub:8081/hub/api",
+        base_url="/hub/",
+        url="http://hub:8081/hub/",
+        public_host="",
     )
-    spawner = SnapKubeSpawner(config=config, user=user, hub=hub, orm_spawner=orm.Spawner(name=""), _mock=True)
+    spawner = SnapKubeSpawner(
+        config=config, user=user, hub=hub, orm_spawner=orm.Spawner(name=""), _mock=True
+    )
     spawner.api_token = token  # the server's Hub API token
     return spawner
 
@@ -334,7 +341,9 @@ async def test_a_suspended_server_comes_back_through_the_real_agent(setup):
     assert placeholder["metadata"]["annotations"][PLACEHOLDER_ANNOTATION] == info.id
     assert placeholder["spec"]["containers"][0]["command"] == ["sleep", "infinity"]
     pod = s.kube.pods[("jhub", "jupyter-alice")]
-    assert url == f"http://{pod['status']['podIP']}:8888" != f"http://{first['status']['podIP']}:8888"
+    assert (
+        url == f"http://{pod['status']['podIP']}:8888" != f"http://{first['status']['podIP']}:8888"
+    )
     # the gateway's 502 was tried again; the agent itself was asked once
     assert s.gateway.count("POST", r"^/v1/restore$") == 2
     assert [code for m, p, _, code in s.gateway.forwarded if p == "/v1/restore"] == [200]
@@ -360,8 +369,13 @@ async def test_an_error_the_agent_answers_is_final_and_a_fresh_server_starts(set
             "namespace": "jhub",
             "gpusnap": {
                 "checkpoint": {
-                    "id": missing, "user": "alice", "server_name": "", "created": time.time(),
-                    "status": "verified", "image_bytes": 1 << 20, "gpu_count": 0,
+                    "id": missing,
+                    "user": "alice",
+                    "server_name": "",
+                    "created": time.time(),
+                    "status": "verified",
+                    "image_bytes": 1 << 20,
+                    "gpu_count": 0,
                 },  # fmt: skip
                 "api_token": "token-held-by-the-snapshot",
             },

@@ -514,9 +514,7 @@ async def test_a_caller_giving_up_does_not_abort_the_checkpoint(backend, process
     assert (await tree.ask("get"))["count"] == 0
 
 
-async def test_a_failed_restore_is_kept_max_age_days_whatever_keep_last_says(
-    backend, process_tree
-):
+async def test_a_failed_restore_is_kept_max_age_days_whatever_keep_last_says(backend, process_tree):
     """A snapshot whose restore failed is what an admin rescues work from (the email says
     "kept for N days"): keep_last does not count it, max_age_days from the failure does."""
     tree = process_tree(pidns=True)

@@ -46,7 +46,9 @@ def server_of(tree):
     return Server(user="alice", name="", state={"pid": tree.pid})
 
 
-async def test_encrypted_chunks_round_trip_share_and_sweep(tmp_path, process_tree, key_file, monkeypatch, capsys):
+async def test_encrypted_chunks_round_trip_share_and_sweep(
+    tmp_path, process_tree, key_file, monkeypatch, capsys
+):
     monkeypatch.setenv("JUPYTERHUB_API_TOKEN", TOKEN)
     backend = make_backend(
         tmp_path, encryption_key_file=str(key_file), keep_last=1, restore_pipe_bytes=256 << 10
@@ -85,10 +87,13 @@ async def test_encrypted_chunks_round_trip_share_and_sweep(tmp_path, process_tre
     info2 = await backend.checkpoint(server_of(tree))
     m2 = Manifest.load(backend.folder(info2.id))
     assert m2.new_bytes < m2.stored_bytes / 2
+
     # Retention (keep_last=1) deletes the first checkpoint; the sweep keeps what the
     # second one shares with it and deletes only the rest.
     def stored():
-        return {p.name for p in (backend.root / STORE).rglob("*") if p.is_file() and p.name != ".lock"}
+        return {
+            p.name for p in (backend.root / STORE).rglob("*") if p.is_file() and p.name != ".lock"
+        }
 
     before_sweep = stored()
     assert await backend.apply_retention() == [info.id]
@@ -180,7 +185,9 @@ async def test_a_damaged_chunk_stops_the_restore(tmp_path, process_tree, staging
         with pytest.raises(OSError):  # the tree CRIU began is gone: nobody answers its port
             await tree.ask("get", timeout=3)
     else:
-        assert not list(backend.folder(info.id).glob("restore-*.log")), "CRIU ran on a damaged image"
+        assert not list(backend.folder(info.id).glob("restore-*.log")), (
+            "CRIU ran on a damaged image"
+        )
     assert not list(backend.folder(info.id).glob("*.img"))
     assert not list(stage.iterdir()), "unpacked files or the streamer's folder left behind"
     # Mended (the chunk written again from the same data), it restores from either place.

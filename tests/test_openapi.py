@@ -22,7 +22,7 @@ def test_every_api_route_is_documented():
     paths = set(spec["paths"])
     prefix = "/services/gpusnap/"
     for pattern, _handler in make_handlers(prefix):
-        route = pattern[len(prefix) - 1:]
+        route = pattern[len(prefix) - 1 :]
         if not route.startswith(("/api", "/metrics")):
             continue  # pages and the OAuth callback are not API
         # turn the route regex into the spec's path templates (default and named server forms)
@@ -32,6 +32,6 @@ def test_every_api_route_is_documented():
         if "{user}" in base:
             forms.append(base.replace("{user}", "{user}/{name}"))
         for form in forms:
-            for action in (actions.group(1).split("|") if actions else [None]):
+            for action in actions.group(1).split("|") if actions else [None]:
                 path = form.replace(actions.group(0), action) if action else form
                 assert path in paths, f"{path} (from {pattern}) is not in docs/rest-api.yml"

@@ -53,11 +53,17 @@ def test_the_digest_sees_a_changed_source(tmp_path):
 def test_the_built_bundle_is_not_committed():
     """A rebuild never leaves `git status` dirty: the bundle is ignored, not tracked."""
     if (ROOT / ".git").exists():
-        tracked = subprocess.run(["git", "ls-files", "jupyterhub_gpusnap/labextension"], cwd=ROOT,
-                                 capture_output=True, text=True, check=True).stdout
+        tracked = subprocess.run(
+            ["git", "ls-files", "jupyterhub_gpusnap/labextension"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         assert tracked == ""
-        ignored = subprocess.run(["git", "check-ignore", "-q", "jupyterhub_gpusnap/labextension/package.json"],
-                                 cwd=ROOT)
+        ignored = subprocess.run(
+            ["git", "check-ignore", "-q", "jupyterhub_gpusnap/labextension/package.json"], cwd=ROOT
+        )
         assert ignored.returncode == 0
     else:  # an sdist: the bundle comes built, with the digest of the sources beside it
         assert hook_module().is_current()
@@ -66,8 +72,10 @@ def test_the_built_bundle_is_not_committed():
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> zipfile.ZipFile:
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(ROOT)],
+        check=True,
+    )
     (path,) = out.glob("jupyterhub_gpusnap-*.whl")
     return zipfile.ZipFile(path)
 
@@ -221,13 +229,25 @@ def light_venv(wheel, tmp_path_factory) -> Path:
     python = venv / "bin" / "python"
     purelib = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     (Path(purelib) / "light-deps.pth").write_text(str(site) + "\n")
     wheel_path = Path(wheel.filename)
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
-         "--no-index", str(wheel_path)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            str(wheel_path),
+        ],
         check=True,
     )
     return venv
@@ -264,7 +284,10 @@ def test_the_notebook_side_imports_without_the_hub_side(light_venv):
     root = light_venv.parent
     out = subprocess.run(
         [light_venv / "bin" / "python", "-c", script],
-        capture_output=True, text=True, cwd=root, env=light_env(root),
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=light_env(root),
     )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
@@ -275,7 +298,10 @@ def test_the_notebook_side_imports_without_the_hub_side(light_venv):
     # the service's command says what to install instead of a traceback
     out = subprocess.run(
         [light_venv / "bin" / "jupyterhub-gpusnap", "--help"],
-        capture_output=True, text=True, cwd=root, env=light_env(root),
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=light_env(root),
     )
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert "pip install 'jupyterhub-gpusnap[hub]'" in out.stderr
@@ -292,8 +318,13 @@ def test_the_server_extension_loads_in_a_server_without_the_hub_side(light_venv)
 
     root = light_venv.parent
     no_hub = f"import importlib.util as u; assert not [m for m in {HUB_SIDE!r} if u.find_spec(m)]"
-    check = subprocess.run([light_venv / "bin" / "python", "-c", no_hub], cwd=root,
-                           env=light_env(root), capture_output=True, text=True)
+    check = subprocess.run(
+        [light_venv / "bin" / "python", "-c", no_hub],
+        cwd=root,
+        env=light_env(root),
+        capture_output=True,
+        text=True,
+    )
     assert check.returncode == 0, check.stderr  # the server below runs without the Hub side
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -301,11 +332,22 @@ def test_the_server_extension_loads_in_a_server_without_the_hub_side(light_venv)
     token = "light-test-token"
     log = open(root / "server.log", "wb")
     server = subprocess.Popen(
-        [light_venv / "bin" / "python", "-m", "jupyter_server", "--ServerApp.ip=127.0.0.1",
-         f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-         "--ServerApp.open_browser=False", "--ServerApp.allow_root=True"],
-        cwd=root, env=light_env(root), stdout=log, stderr=subprocess.STDOUT,
+        [
+            light_venv / "bin" / "python",
+            "-m",
+            "jupyter_server",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--ServerApp.open_browser=False",
+            "--ServerApp.allow_root=True",
+        ],
+        cwd=root,
+        env=light_env(root),
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
 
     def get(path: str) -> tuple[int, dict]:

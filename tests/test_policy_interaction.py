@@ -33,7 +33,9 @@ def test_interaction_holds_off_the_suspension_for_interaction_window():
     assert d.suspend_at == touch + 1800 and d.idle_seconds == 700
     d = decide(s, quiet(touch + 1200, last_interaction=touch), RULE, touch + 1200)
     assert (d.state, d.action) == (State.warned, "warn")  # warn_before ahead of the new deadline
-    warned = status(state=State.warned, warned_at=touch + 1200, last_sample={"last_interaction": touch})
+    warned = status(
+        state=State.warned, warned_at=touch + 1200, last_sample={"last_interaction": touch}
+    )
     d = decide(warned, quiet(touch + 1800, last_interaction=touch), RULE, touch + 1800)
     assert (d.state, d.action) == (State.suspending, "suspend")
 

@@ -91,11 +91,18 @@ async def test_readme_demo_reaches_a_server_and_ctrl_c_stops_everything(tmp_path
     env = {"PATH": PLAIN_PATH, "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8"}
     with open(log, "wb") as out:
         # its own process group, like a terminal's foreground job: Ctrl-C is SIGINT to the group
-        proc = subprocess.Popen(["bash", "-c", command], cwd=ROOT, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            ["bash", "-c", command],
+            cwd=ROOT,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     client = AsyncHTTPClient(force_instance=True)
     browser = Browser(URL)
     try:
+
         async def login_page():
             try:
                 resp = await client.fetch(f"{URL}/hub/login", raise_error=False, request_timeout=5)
@@ -118,7 +125,9 @@ async def test_readme_demo_reaches_a_server_and_ctrl_c_stops_everything(tmp_path
             resp = await browser.request(f"/user/{user}/api/status")
             return resp if resp.code == 200 and b'"kernels"' in (resp.body or b"") else None
 
-        status = await wait_for(f"{user}'s server through the proxy", server_status, proc, log, timeout=120)
+        status = await wait_for(
+            f"{user}'s server through the proxy", server_status, proc, log, timeout=120
+        )
         assert b"readme" in (await browser.request(f"/user/{user}/lab")).body
         assert status.effective_url.startswith(f"{URL}/user/{user}/api/status")
 
@@ -134,7 +143,9 @@ async def test_readme_demo_reaches_a_server_and_ctrl_c_stops_everything(tmp_path
         try:
             rc = proc.wait(180)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"the demo did not exit after Ctrl-C:\n{log.read_text()[-6000:]}") from None
+            raise AssertionError(
+                f"the demo did not exit after Ctrl-C:\n{log.read_text()[-6000:]}"
+            ) from None
         text = log.read_text()
         assert rc == 0, text[-6000:]
         assert "stopping the demo" in text and "demo stopped" in text, text[-3000:]

@@ -54,7 +54,9 @@ c.JupyterHub.load_roles.append(user_role("gpusnap"))
 
 
 def processes_of(uid: int) -> list[psutil.Process]:
-    return [p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == uid]
+    return [
+        p for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == uid
+    ]
 
 
 async def test_users_servers_run_as_themselves_and_come_back_as_themselves(

@@ -197,8 +197,7 @@ async def test_a_missing_encryption_key_keeps_the_snapshot_until_it_is_back(hub_
     keys.chmod(0o600)
     original = keys.read_text()
     settings = (
-        'c.LocalBackend.storage = "chunks"\n'
-        f"c.LocalBackend.encryption_key_file = {str(keys)!r}\n"
+        f'c.LocalBackend.storage = "chunks"\nc.LocalBackend.encryption_key_file = {str(keys)!r}\n'
     )
     hub = await hub_factory(snap_config(ckpt, settings))
     backend = service_backend(ckpt, storage="chunks", encryption_key_file=str(keys))

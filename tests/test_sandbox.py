@@ -654,7 +654,9 @@ async def test_a_file_opened_outside_the_mount_namespace_is_refused(
 
 
 @pytest.mark.criu
-async def test_a_users_server_is_suspended_and_restored_as_the_user(sandboxed, backend, system_user):
+async def test_a_users_server_is_suspended_and_restored_as_the_user(
+    sandboxed, backend, system_user
+):
     # CRIU reads every process's resource limits; the service here lacks CAP_SYS_RESOURCE
     # (root in a container), and the CRIU .ci/install-criu.sh builds reads another user's
     # from /proc/<pid>/limits then
@@ -708,7 +710,9 @@ async def test_the_probe_tries_the_criu_it_is_given(tmp_path, monkeypatch):
     assert await criu.reads_foreign_limits()
     # one that fails the dump (as upstream CRIU does without CAP_SYS_RESOURCE) reads as no
     fake = tmp_path / "criu"
-    fake.write_text("#!/bin/sh\necho \"Error (criu/cr-dump.c:389): Can't get rlimit 0\" >&2\nexit 1\n")
+    fake.write_text(
+        '#!/bin/sh\necho "Error (criu/cr-dump.c:389): Can\'t get rlimit 0" >&2\nexit 1\n'
+    )
     fake.chmod(0o755)
     assert await criu.reads_foreign_limits(str(fake)) is False
     assert criu._foreign_limits == {criu.find_criu(): True, str(fake): False}

@@ -245,7 +245,9 @@ async def test_resuming_is_shown_while_a_busy_parked_kernel_gets_its_gpu_memory_
         code, state = await local_get(base, token, "gpusnap/autounpark")
         assert code == 200 and state["watching"] is True and state["resuming"] is False
 
-        client = await start_cell(km, kernel["id"], "import time; time.sleep(5)")  # the user runs a cell
+        client = await start_cell(
+            km, kernel["id"], "import time; time.sleep(5)"
+        )  # the user runs a cell
         for _ in range(400):
             if driver.restoring.is_set():
                 break
@@ -293,8 +295,11 @@ def stand_in_driver(root: Path) -> Path:
     import ctypes.util
 
     name = ctypes.util.find_library("z")
-    source = next(p for d in ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib64", "/lib64")
-                  if (p := Path(d) / name).exists())
+    source = next(
+        p
+        for d in ("/usr/lib/x86_64-linux-gnu", "/lib/x86_64-linux-gnu", "/usr/lib64", "/lib64")
+        if (p := Path(d) / name).exists()
+    )
     path = root / "libcuda-stand-in.so.1"
     shutil.copy(source, path)
     return path
@@ -304,15 +309,29 @@ async def test_the_extension_loads_nothing_of_the_gpu_until_the_service_says_par
     driver = stand_in_driver(tmp_path)
     port, token = free_port(), secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTERHUB_")}
-    env.update(JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "rt"))
+    env.update(
+        JUPYTER_CONFIG_DIR=str(tmp_path / "config"), JUPYTER_RUNTIME_DIR=str(tmp_path / "rt")
+    )
     log = open(tmp_path / "server.log", "wb")
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyter_server", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
-         "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", "--ServerApp.open_browser=False",
-         "--ServerApp.allow_root=True", f"--ServerApp.root_dir={tmp_path}",
-         "--ServerApp.jpserver_extensions=jupyterhub_gpusnap.serverext=True",
-         f"--CudaCheckpoint.libcuda_path={driver}"],
-        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "jupyter_server",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={token}",
+            "--ServerApp.open_browser=False",
+            "--ServerApp.allow_root=True",
+            f"--ServerApp.root_dir={tmp_path}",
+            "--ServerApp.jpserver_extensions=jupyterhub_gpusnap.serverext=True",
+            f"--CudaCheckpoint.libcuda_path={driver}",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=tmp_path,
     )
     try:
         base = f"http://127.0.0.1:{port}/"

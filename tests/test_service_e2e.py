@@ -123,7 +123,9 @@ async def test_restart_keeps_the_idle_clock(hub_factory, tmp_path):
 
 
 async def test_access_control(hub_factory, tmp_path):
-    service = GpuSnapService(tmp_path / "gpusnap", SETTINGS.replace("idle_window = 6", "idle_window = 3600"))
+    service = GpuSnapService(
+        tmp_path / "gpusnap", SETTINGS.replace("idle_window = 6", "idle_window = 3600")
+    )
     hub = await hub_factory(service.hub_config())
     await hub.start_server("alice")
     await hub.start_server("bob")

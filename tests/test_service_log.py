@@ -23,7 +23,9 @@ c.GpuSnap.action = "stop"
 """
 
 # [I 2026-11-25 13:20:21.888 GpuSnap watcher:278] alice/: active -> idle (...)
-LINE = re.compile(r"^\[([DIWEC]) (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) GpuSnap [\w.]+:\d+\] (.*)$")
+LINE = re.compile(
+    r"^\[([DIWEC]) (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3}) GpuSnap [\w.]+:\d+\] (.*)$"
+)
 
 
 class ServiceAtDefaultLevel(GpuSnapService):
@@ -47,8 +49,16 @@ class ServiceAtDefaultLevel(GpuSnapService):
         )
         with open(self.log_file, "ab") as log:
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "jupyterhub_gpusnap.app", "--config", str(cfg),
-                cwd=self.root, env=env, stdout=log, stderr=log, start_new_session=True,
+                sys.executable,
+                "-m",
+                "jupyterhub_gpusnap.app",
+                "--config",
+                str(cfg),
+                cwd=self.root,
+                env=env,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
             )
 
         async def answers():
@@ -62,12 +72,15 @@ class ServiceAtDefaultLevel(GpuSnapService):
         await self.wait_for(answers, timeout=30, what="the service to answer")
 
 
-async def test_default_log_has_one_timestamped_line_per_state_change_and_action(hub_factory, tmp_path):
+async def test_default_log_has_one_timestamped_line_per_state_change_and_action(
+    hub_factory, tmp_path
+):
     service = ServiceAtDefaultLevel(tmp_path / "gpusnap", SETTINGS)
     hub = await hub_factory(service.hub_config())
     await hub.start_server("alice")
     await service.start(hub)
     try:
+
         async def stopped():
             return await hub.get_server("alice") is None
 

@@ -55,8 +55,6 @@ class JupyterServer:
         return json.loads(body) if body else None
 
 
-
-
 def start_server(root: Path, *extra: str) -> JupyterServer:
     root.mkdir()
     env = dict(
@@ -304,11 +302,16 @@ async def test_a_server_that_never_reported_gives_no_signal():
 async def test_a_report_is_the_signal_until_it_is_stale():
     source = JupyterSignal()
     now = time.time()
-    source.record("alice/", report(
-        [{"execution_state": "busy", "last_activity": "2026-11-22T20:41:49Z"},
-         {"execution_state": "idle", "last_activity": "2026-11-22T20:40:00Z"}],
-        [{"last_activity": "2026-11-22T20:41:50Z"}],
-    ))
+    source.record(
+        "alice/",
+        report(
+            [
+                {"execution_state": "busy", "last_activity": "2026-11-22T20:41:49Z"},
+                {"execution_state": "idle", "last_activity": "2026-11-22T20:40:00Z"},
+            ],
+            [{"last_activity": "2026-11-22T20:41:50Z"}],
+        ),
+    )
     sample = await source.sample(alice(), now)
     assert (sample.kernels, sample.kernels_busy, sample.terminals) == (2, 1, 1), sample
     assert sample.jupyter_last_activity == parse_iso8601("2026-11-22T20:41:50Z")
@@ -362,8 +365,13 @@ def test_a_malformed_report_says_what_to_send(body, word):
 async def test_a_restarted_service_carries_the_stored_reading_over_until_the_server_reports():
     source = JupyterSignal()
     now = time.time()
-    stored = {"time": now - 20, "kernels": 3, "kernels_busy": 1, "terminals": 1,
-              "jupyter_last_activity": 1795380109.5}
+    stored = {
+        "time": now - 20,
+        "kernels": 3,
+        "kernels_busy": 1,
+        "terminals": 1,
+        "jupyter_last_activity": 1795380109.5,
+    }
     source.carry_over("alice/", stored)
     sample = await source.sample(alice(), now)
     assert (sample.kernels, sample.kernels_busy, sample.terminals) == (3, 1, 1), sample

@@ -189,7 +189,7 @@ def test_chunks_held_open_stay_within_the_descriptor_limit(tmp_path):
     """Decoded and raw chunks wait for the pipe as open files: with a window far larger than
     the process may open (RLIMIT_NOFILE 64, as low as a limit gets) and two files streamed
     at once, every byte still arrives and nothing is reported."""
-    code = r'''
+    code = r"""
 import os, resource, socket, sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -231,7 +231,9 @@ for name, r in ends.items():
     assert data == srcs[name], (name, len(data))
 c.close()
 print(streamer.finish())
-'''
-    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[]"

@@ -17,7 +17,9 @@ from tests.helpers.smtp_server import SmtpServer
 pytestmark = [pytest.mark.e2e, pytest.mark.criu, pytest.mark.email]
 
 
-async def test_idle_server_is_suspended_by_the_service_and_restored_on_return(hub_factory, tmp_path):
+async def test_idle_server_is_suspended_by_the_service_and_restored_on_return(
+    hub_factory, tmp_path
+):
     ckpt = tmp_path / "checkpoints"
     (tmp_path / "smtp").mkdir()
     smtp = SmtpServer(tmp_path / "smtp").start()
@@ -26,7 +28,8 @@ async def test_idle_server_is_suspended_by_the_service_and_restored_on_return(hu
     try:
         await hub.start_server("alice")
         kernel, out = await hub.execute(
-            "alice", "x = 42\nf = open('notes.txt', 'w'); f.write('kept open'); f.flush()\nprint('set')"
+            "alice",
+            "x = 42\nf = open('notes.txt', 'w'); f.write('kept open'); f.flush()\nprint('set')",
         )
         assert "set" in out
         await service.start(hub)
@@ -35,7 +38,9 @@ async def test_idle_server_is_suspended_by_the_service_and_restored_on_return(hu
             status = await service.server_status("alice/")
             return status if status and status["state"] == "suspended" else None
 
-        status = await service.wait_for(suspended, timeout=120, what="alice's server to be suspended")
+        status = await service.wait_for(
+            suspended, timeout=120, what="alice's server to be suspended"
+        )
         assert await hub.get_server("alice") is None  # stopped: the GPU (here: the host) is free
         assert status["checkpoint_id"]
         manifests = list(ckpt.glob("alice/*/*/manifest.json"))

@@ -140,7 +140,9 @@ async def test_a_suspended_server_is_not_running_before_the_next_tick_says_so(tm
     your kernels are saved" from it, not "server not running")."""
     from jupyterhub_gpusnap.policy import ServerStatus
 
-    alice = Server(user="alice", started=datetime.fromtimestamp(T - 100, timezone.utc), state={"pid": 1})
+    alice = Server(
+        user="alice", started=datetime.fromtimestamp(T - 100, timezone.utc), state={"pid": 1}
+    )
     store = Store(f"sqlite:///{tmp_path}/gpusnap.sqlite")
     policy = Policy([], Rule())
     watcher = Watcher(hub=Hub([alice]), store=store, policy=policy, sources=[QuietGpu()], backend=None,

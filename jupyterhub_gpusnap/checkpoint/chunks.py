@@ -574,7 +574,9 @@ class ChunkStore:
             _advise(self.path(space, cid), os.POSIX_FADV_DONTNEED)
 
     # ------------------------------------------------------------ scrub
-    def scrub_chunk(self, space: str, cid: str, length: int, want_replica: bool) -> tuple[str, int, str]:
+    def scrub_chunk(
+        self, space: str, cid: str, length: int, want_replica: bool
+    ) -> tuple[str, int, str]:
         """Re-read one chunk and its replica, check both against the id and mend what it can;
         ``(outcome, bytes read, what was wrong)``. Outcomes: ``ok``; ``replicated`` (a
         replica was wanted and is now written); ``repaired`` (one copy was damaged or
@@ -583,7 +585,10 @@ class ChunkStore:
         """
         primary = self.path(space, cid)
         replica = self.replica_path(space, cid)
-        blobs = {"chunk": _read_or_none(primary), "replica": _read_or_none(replica) if replica else None}
+        blobs = {
+            "chunk": _read_or_none(primary),
+            "replica": _read_or_none(replica) if replica else None,
+        }
         read = sum(len(b) for b in blobs.values() if b is not None)
         bad: dict[str, str] = {}
         for which, blob in blobs.items():
@@ -597,7 +602,9 @@ class ChunkStore:
                 bad[which] = str(e)
             except ValueError as e:  # the key is not in the key file: cannot tell
                 return "unchecked", read, str(e)
-        good = next((blobs[w] for w in ("chunk", "replica") if blobs[w] is not None and w not in bad), None)
+        good = next(
+            (blobs[w] for w in ("chunk", "replica") if blobs[w] is not None and w not in bad), None
+        )
         if good is None:
             what = bad["chunk"] + (f"; its replica: {bad['replica']}" if "replica" in bad else
                                    "; no replica")  # fmt: skip
@@ -605,16 +612,31 @@ class ChunkStore:
         try:
             if "chunk" in bad:
                 self._install(primary, [good])
-            if replica is not None and ("replica" in bad or (blobs["replica"] is None and want_replica)):
+            if replica is not None and (
+                "replica" in bad or (blobs["replica"] is None and want_replica)
+            ):
                 self._install(replica, [good])
             self.sync_dirs()
         except OSError as e:
-            return "damaged", read, "; ".join([*bad.values(), f"cannot write the good copy back: {e}"])
-        if bad:
-            return "repaired", read, "; ".join(
-                f"{'the replica' if w == 'replica' else 'the chunk file'}: {why}" for w, why in bad.items()
+            return (
+                "damaged",
+                read,
+                "; ".join([*bad.values(), f"cannot write the good copy back: {e}"]),
             )
-        return ("replicated" if blobs["replica"] is None and want_replica and replica else "ok"), read, ""
+        if bad:
+            return (
+                "repaired",
+                read,
+                "; ".join(
+                    f"{'the replica' if w == 'replica' else 'the chunk file'}: {why}"
+                    for w, why in bad.items()
+                ),
+            )
+        return (
+            ("replicated" if blobs["replica"] is None and want_replica and replica else "ok"),
+            read,
+            "",
+        )
 
     # ------------------------------------------------------------ garbage
     def sweep(self, referenced: Callable[[], set[tuple[str, str]] | None]) -> tuple[int, int]:

@@ -378,8 +378,14 @@ async def reads_foreign_limits(criu: str = "") -> bool:
     ok = False
     try:
         sleeper = await asyncio.create_subprocess_exec(
-            "sleep", "60", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True, user=65534, group=65534,
+            "sleep",
+            "60",
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            user=65534,
+            group=65534,
             extra_groups=[],
         )
     except (OSError, subprocess.SubprocessError):
@@ -387,8 +393,18 @@ async def reads_foreign_limits(criu: str = "") -> bool:
     try:
         with tempfile.TemporaryDirectory(prefix="gpusnap-criu-probe-") as d:
             proc = await asyncio.create_subprocess_exec(
-                binary, "dump", "-t", str(sleeper.pid), "-D", d, "--leave-running", "-o", "dump.log",
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                binary,
+                "dump",
+                "-t",
+                str(sleeper.pid),
+                "-D",
+                d,
+                "--leave-running",
+                "-o",
+                "dump.log",
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             ok = await asyncio.wait_for(proc.wait(), 60) == 0
     except (OSError, asyncio.TimeoutError):

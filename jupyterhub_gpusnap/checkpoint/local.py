@@ -473,17 +473,25 @@ class LocalBackend(
         """The store of a checkpoint's image (``storage``: ``files`` or ``chunks``)."""
         store = self._stores.get(storage)
         if store is None:
-            store = self._stores[storage] = (ChunksStore if storage == "chunks" else FilesStore)(self)
+            store = self._stores[storage] = (ChunksStore if storage == "chunks" else FilesStore)(
+                self
+            )
         return store
 
-    def _chunk_damaged(self, space: str, cid: str, found_by: str, repaired: bool, what: str) -> None:
+    def _chunk_damaged(
+        self, space: str, cid: str, found_by: str, repaired: bool, what: str
+    ) -> None:
         """A chunk was found damaged while written or read (the store's threads call this)."""
         chunk_scrub.count_damage(found_by, repaired)
         if repaired:
-            how = "replaced by the fresh data" if found_by == "write" else "repaired from its replica"
+            how = (
+                "replaced by the fresh data" if found_by == "write" else "repaired from its replica"
+            )
             self.log.warning("chunk %s… (%s) was damaged: %s; %s", cid[:12], space, what, how)
         else:
-            self.log.error("chunk %s… (%s) is damaged and has no intact copy: %s", cid[:12], space, what)
+            self.log.error(
+                "chunk %s… (%s) is damaged and has no intact copy: %s", cid[:12], space, what
+            )
 
     async def _require_criu(self) -> str:
         """The CRIU version, checked once per binary (``criu --version`` costs a fork+exec);
@@ -695,7 +703,9 @@ class LocalBackend(
     def _kept(self, found: list[tuple[Path, Manifest]]) -> list[Kept]:
         """What retention knows of each checkpoint (:func:`~.base.expired`)."""
         return [
-            Kept(self._id(f), server_key(m.user, m.server), m.status, m.created, _rescue_since(f, m))
+            Kept(
+                self._id(f), server_key(m.user, m.server), m.status, m.created, _rescue_since(f, m)
+            )
             for f, m in found
         ]
 

@@ -74,7 +74,9 @@ class LocalRestoreMixin:
         async with self.image_store(m.storage).restore_source(job) as source:
             return await self._restore_tree(job, source)
 
-    async def _adopt(self, folder: Path, m: Manifest, key: str, cid: str) -> tuple[int, str, int] | None:
+    async def _adopt(
+        self, folder: Path, m: Manifest, key: str, cid: str
+    ) -> tuple[int, str, int] | None:
         """The server an interrupted restore of this checkpoint left running, if any.
 
         A restore whose caller died (the Hub killed after CRIU started) leaves CRIU to finish
@@ -91,11 +93,18 @@ class LocalRestoreMixin:
             return None  # the pid was reused by something older, or by another boot
         if listen_address(pid)[1] != m.port:
             return None
-        self.log.warning("%s: adopting pid %s, left running by an interrupted restore of %s", key, pid, cid)
+        self.log.warning(
+            "%s: adopting pid %s, left running by an interrupted restore of %s", key, pid, cid
+        )
         problems = []
         if m.storage == "files":
             problems = await asyncio.to_thread(
-                verify_image, folder, m.files, chunk_bytes=m.chunk_bytes, sizes=m.sizes, pool=self.pool
+                verify_image,
+                folder,
+                m.files,
+                chunk_bytes=m.chunk_bytes,
+                sizes=m.sizes,
+                pool=self.pool,
             )
         try:
             if problems:

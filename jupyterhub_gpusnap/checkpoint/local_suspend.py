@@ -55,7 +55,9 @@ class LocalSuspendMixin:
         """Refuse (:class:`CheckpointRefused`) when ``server`` cannot be checkpointed now."""
         await self._preflight(server)
 
-    async def _preflight(self, server: Server, reserve: bool = False) -> tuple[str, list[int], int, dict]:
+    async def _preflight(
+        self, server: Server, reserve: bool = False
+    ) -> tuple[str, list[int], int, dict]:
         """Checks before touching anything; returns (criu version, tree pids, estimate,
         GPU inventory). Everything here runs before the GPU is freed: keep it quick.
         ``reserve``: hold the estimate of disk space for this server until
@@ -309,7 +311,9 @@ class LocalSuspendMixin:
             await self._undo_interrupted(s, str(error))
             return error
         if s.phase == "freeze":
-            await self._fail(s.folder, s.manifest, key, s.pids, [], f"GPU checkpoint failed: {error}")
+            await self._fail(
+                s.folder, s.manifest, key, s.pids, [], f"GPU checkpoint failed: {error}"
+            )
             return CheckpointError(f"{key}: GPU checkpoint failed, server left running: {error}")
         if s.follower is not None:
             await asyncio.to_thread(s.follower.close)
@@ -320,7 +324,9 @@ class LocalSuspendMixin:
             f"{key}: checkpoint failed ({type(error).__name__}: {why}); the server keeps running"
         )
 
-    async def _verify_dump(self, folder: Path, m: Manifest, follower: Follower | None = None) -> None:
+    async def _verify_dump(
+        self, folder: Path, m: Manifest, follower: Follower | None = None
+    ) -> None:
         """Make a finished dump "verified" (see :mod:`.local`'s docstring) or raise CheckpointError:
         complete (CRIU's files and its success line), then sealed by the image store.
 

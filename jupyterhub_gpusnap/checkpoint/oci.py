@@ -546,9 +546,7 @@ class RegistryClient(LoggingConfigurable):
                     location, offset = await self._resume_point(name, location, offset)
         return Descriptor("", digest.hexdigest(size), size)
 
-    async def _patch(
-        self, name: str, location: str, offset: int, chunk: bytes
-    ) -> tuple[str, int]:
+    async def _patch(self, name: str, location: str, offset: int, chunk: bytes) -> tuple[str, int]:
         """PATCH one chunk at ``offset``; the next upload URL and offset."""
         self.uploaded_bytes += len(chunk)
         r = await self.request(

@@ -115,9 +115,7 @@ class PageServer:
                     in_order = self._next.get(dst) == vaddr
                     fut = self._cached(dst, vaddr, nr, in_order)
                     if fut is None:
-                        fut = loop.run_in_executor(
-                            self.pool, self._read, dst, vaddr, nr, in_order
-                        )
+                        fut = loop.run_in_executor(self.pool, self._read, dst, vaddr, nr, in_order)
                     queue.put_nowait((vaddr, dst, fut))
                 elif cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
                     queue.put_nowait(None)

@@ -70,7 +70,9 @@ SCRUB_COMPLETED = Gauge(
 
 
 def count_damage(found_by: str, repaired: bool) -> None:
-    CHUNKS_DAMAGED.labels(found_by=found_by, result="repaired" if repaired else "unrepairable").inc()
+    CHUNKS_DAMAGED.labels(
+        found_by=found_by, result="repaired" if repaired else "unrepairable"
+    ).inc()
 
 
 @dataclass

@@ -63,8 +63,10 @@ def banner(url: str, root: Path, idle: int) -> str:
 
 
 def reminder(url: str) -> str:
-    return (f"── gpusnap demo: {url}/ (any name, password \"demo\") · "
-            f"service {url}/services/gpusnap/ · Ctrl-C stops ──\n")
+    return (
+        f'── gpusnap demo: {url}/ (any name, password "demo") · '
+        f"service {url}/services/gpusnap/ · Ctrl-C stops ──\n"
+    )
 
 
 def _pump(stream, lines: queue.Queue) -> None:
@@ -101,17 +103,26 @@ def stop_leftover_proxy(pid_file: Path) -> None:
 def run_hub(config: Path, root: Path, text: str) -> int:
     """Run the Hub until it exits; Ctrl-C/SIGTERM/SIGHUP ask it to shut down, a second one kills it."""
     # its own session: a terminal's Ctrl-C reaches only us, and we decide how the Hub stops
-    hub = subprocess.Popen([sys.executable, "-m", "jupyterhub", "-f", str(config)], cwd=root,
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                           start_new_session=True)
+    hub = subprocess.Popen(
+        [sys.executable, "-m", "jupyterhub", "-f", str(config)],
+        cwd=root,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+        start_new_session=True,
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_pump, args=(hub.stdout, lines), daemon=True).start()
     asked: list[float] = []
 
     def ask_to_stop(signum, frame):
         if not asked:
-            print(f"\nstopping the demo: the Hub shuts down (up to {SHUTDOWN_TIMEOUT} s; "
-                  "Ctrl-C again to kill it now)", flush=True)
+            print(
+                f"\nstopping the demo: the Hub shuts down (up to {SHUTDOWN_TIMEOUT} s; "
+                "Ctrl-C again to kill it now)",
+                flush=True,
+            )
             asked.append(time.monotonic())
             hub.send_signal(signal.SIGTERM)
         else:
@@ -149,16 +160,27 @@ def run_hub(config: Path, root: Path, text: str) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jupyterhub_gpusnap.demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dir", default="demo-data", help="where the demo keeps its files (default ./demo-data)")
+    p = argparse.ArgumentParser(
+        prog="python -m jupyterhub_gpusnap.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--dir", default="demo-data", help="where the demo keeps its files (default ./demo-data)"
+    )
     p.add_argument("--port", type=int, default=8000, help="the hub's port (default 8000)")
-    p.add_argument("--smtp-port", type=int, default=8025, help="the SMTP sink's port (default 8025)")
-    p.add_argument("--idle", type=int, default=120, help="seconds of idleness before suspension (default 120)")
+    p.add_argument(
+        "--smtp-port", type=int, default=8025, help="the SMTP sink's port (default 8025)"
+    )
+    p.add_argument(
+        "--idle", type=int, default=120, help="seconds of idleness before suspension (default 120)"
+    )
     args = p.parse_args(argv)
     if os.geteuid() != 0:
-        print("The demo checkpoints processes with CRIU, which needs root: run .ci/demo as root",
-              file=sys.stderr)
+        print(
+            "The demo checkpoints processes with CRIU, which needs root: run .ci/demo as root",
+            file=sys.stderr,
+        )
         return 1
     if not shutil.which("configurable-http-proxy"):
         print("configurable-http-proxy is missing: run .ci/setup first", file=sys.stderr)
@@ -168,9 +190,18 @@ def main(argv=None) -> int:
         (root / sub).mkdir(parents=True, exist_ok=True)
     os.chmod(root / "checkpoints", 0o700)
     config = write_config(root, args.port, args.smtp_port, args.idle)
-    sink = subprocess.Popen([sys.executable, "-m", "jupyterhub_gpusnap.demo.smtp_sink",
-                             "--port", str(args.smtp_port), "--dir", str(root / "mail")],
-                            start_new_session=True)
+    sink = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterhub_gpusnap.demo.smtp_sink",
+            "--port",
+            str(args.smtp_port),
+            "--dir",
+            str(root / "mail"),
+        ],
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{args.port}"
     text = banner(url, root, args.idle)
     print(text, flush=True)

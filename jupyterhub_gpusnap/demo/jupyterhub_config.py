@@ -19,8 +19,11 @@ from jupyterhub.log import access_log, log_request  # noqa: E402
 
 
 def log_request_quietly(handler):
-    if (handler.request.method == "GET" and handler.get_status() < 300
-            and handler.request.path.startswith("/hub/api/")):
+    if (
+        handler.request.method == "GET"
+        and handler.get_status() < 300
+        and handler.request.path.startswith("/hub/api/")
+    ):
         access_log.debug("%d GET %s", handler.get_status(), handler.request.path)
         return
     log_request(handler)
@@ -59,12 +62,20 @@ c.JupyterHub.services = [
     {
         "name": "gpusnap",
         "url": "http://127.0.0.1:10101",
-        "command": ["@PYTHON@", "-m", "jupyterhub_gpusnap.app", "--config", "@ROOT@/gpusnap_config.py"],
+        "command": [
+            "@PYTHON@",
+            "-m",
+            "jupyterhub_gpusnap.app",
+            "--config",
+            "@ROOT@/gpusnap_config.py",
+        ],
         "cwd": "@ROOT@",
         "oauth_no_confirm": True,
         "oauth_client_allowed_scopes": ["custom:gpusnap:read", "custom:gpusnap:admin"],
         "display": True,
-        "info": {"description": "Where your notebook server stands: active, idle, suspended, restored."},
+        "info": {
+            "description": "Where your notebook server stands: active, idle, suspended, restored."
+        },
     }
 ]
 # "admin" (password "demo") is the demo's Hub admin and sees every server on /services/gpusnap/admin.

@@ -18,7 +18,9 @@ class Sink:
 
     async def handle_DATA(self, server, session, envelope):
         msg = email.message_from_bytes(envelope.content, policy=email.policy.default)
-        name = self.folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{len(list(self.folder.iterdir()))}.eml"
+        name = (
+            self.folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{len(list(self.folder.iterdir()))}.eml"
+        )
         name.write_bytes(envelope.content)
         body = msg.get_body(preferencelist=("plain",))
         print(f"\n=== email to {', '.join(envelope.rcpt_tos)}: {msg['Subject']}  (saved {name})")

@@ -22,7 +22,13 @@ def make_handlers(prefix: str) -> list:
     routes = [
         (prefix + r"api/info", InfoHandler),
         (prefix + r"api/servers", ServersHandler),
-        (prefix + r"api/servers/" + SERVER + r"/(?P<action>keep|suspend|exempt|interaction|jupyter)", ServerActionHandler),
+        (
+            prefix
+            + r"api/servers/"
+            + SERVER
+            + r"/(?P<action>keep|suspend|exempt|interaction|jupyter)",
+            ServerActionHandler,
+        ),
         (prefix + r"api/servers/" + SERVER, ServerHandler),
         (prefix + r"api/events", EventsHandler),
         (prefix + r"api/make-room", MakeRoomHandler),

@@ -36,7 +36,8 @@ def parse_until(body: dict, now: float) -> float:
         seconds = _number(body["seconds"])
         if seconds is None or seconds <= 0 or seconds > LATEST_UNTIL:
             raise web.HTTPError(
-                400, "'seconds' must be a positive number of seconds, at most a few years, e.g. {\"seconds\": 3600}"
+                400,
+                "'seconds' must be a positive number of seconds, at most a few years, e.g. {\"seconds\": 3600}",
             )
         return now + seconds
     if "until" in body:
@@ -52,13 +53,16 @@ def parse_until(body: dict, now: float) -> float:
                 until = stamp.timestamp()
         number = _number(until)
         if number is None:
-            raise web.HTTPError(400, "'until' must be an ISO 8601 time such as 2026-11-22T18:00:00Z, or epoch seconds")
+            raise web.HTTPError(
+                400,
+                "'until' must be an ISO 8601 time such as 2026-11-22T18:00:00Z, or epoch seconds",
+            )
         if number <= now:
             raise web.HTTPError(400, "'until' is in the past; choose a later time")
         if number > LATEST_UNTIL:
             raise web.HTTPError(400, "'until' is after the year 9999; choose an earlier time")
         return number
-    raise web.HTTPError(400, "Send {\"seconds\": N} or {\"until\": \"<ISO 8601 time>\"}")
+    raise web.HTTPError(400, 'Send {"seconds": N} or {"until": "<ISO 8601 time>"}')
 
 
 class InfoHandler(APIHandler):
@@ -87,7 +91,9 @@ class ServersHandler(APIHandler):
         state = self.get_argument("state", None)
         if state:
             if state not in State.__members__:
-                raise web.HTTPError(400, f"Unknown state {state!r}; one of {', '.join(State.__members__)}")
+                raise web.HTTPError(
+                    400, f"Unknown state {state!r}; one of {', '.join(State.__members__)}"
+                )
             statuses = [s for s in statuses if str(s.state) == state]
         self.write_json({"servers": [service.model(s, with_events=False) for s in statuses]})
 
@@ -96,10 +102,14 @@ class ServerMixin:
     def find(self, user: str, name: str | None, write: bool = False):
         model = self.require_user()
         name = name or ""
-        allowed = self.owns(model, user) or (self.is_admin(model) if write else self.can_read_all(model))
+        allowed = self.owns(model, user) or (
+            self.is_admin(model) if write else self.can_read_all(model)
+        )
         if not allowed and write and self.can_read_all(model):
             # a reader may see every server, so a 404 would mislead: say which scope acting needs
-            raise web.HTTPError(403, f"Acting on {server_key(user, name)} needs the custom:gpusnap:admin scope")
+            raise web.HTTPError(
+                403, f"Acting on {server_key(user, name)} needs the custom:gpusnap:admin scope"
+            )
         if not allowed:
             # the same answer whether or not the server exists: no probing of other users
             raise web.HTTPError(404, f"No server {server_key(user, name)} that you may see")
@@ -119,7 +129,9 @@ class ServerActionHandler(ServerMixin, APIHandler):
     async def get(self, user, name=None, action=None):
         # GET api/servers/alice/keep is the status of alice's named server "keep", not an action
         if name is not None:
-            raise web.HTTPError(404, "Actions are POST requests; GET api/servers/{user}/{name} for a status")
+            raise web.HTTPError(
+                404, "Actions are POST requests; GET api/servers/{user}/{name} for a status"
+            )
         _, status = self.find(user, action)
         self.write_json(self.service.model(status))
 
@@ -161,7 +173,6 @@ class ServerActionHandler(ServerMixin, APIHandler):
             return self.write_json(service.model(status), status=202)
         raise web.HTTPError(404)
 
-
     def jupyter_report(self, user: str, name: str, body: dict) -> None:
         """A server's own extension reports its kernels and terminals (the Jupyter signal)."""
         model = self.require_user()
@@ -200,7 +211,10 @@ class EventsHandler(APIHandler):
             raise web.HTTPError(400, "'limit' must be a whole number from 1 to 500, e.g. ?limit=50")
         if key is None:
             if not self.can_read_all(model):
-                raise web.HTTPError(403, "Listing every server's events needs custom:gpusnap:read; pass ?server=user/name")
+                raise web.HTTPError(
+                    403,
+                    "Listing every server's events needs custom:gpusnap:read; pass ?server=user/name",
+                )
         elif not (self.can_read_all(model) or self.owns(model, key.partition("/")[0])):
             raise web.HTTPError(404, f"No server {key} that you may see")
         events = self.service.events(key, limit=limit)
@@ -217,13 +231,19 @@ class MakeRoomHandler(APIHandler):
         body = self.json_body()
         nbytes = body.get("bytes")
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise web.HTTPError(400, "'bytes' must be a positive integer, e.g. {\"bytes\": 17179869184} for 16 GiB")
+            raise web.HTTPError(
+                400, "'bytes' must be a positive integer, e.g. {\"bytes\": 17179869184} for 16 GiB"
+            )
         gpu = body.get("gpu")
         if gpu is not None and (isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0):
-            raise web.HTTPError(400, "'gpu' must be a GPU index (0, 1, …) as nvidia-smi numbers them, or left out")
+            raise web.HTTPError(
+                400, "'gpu' must be a GPU index (0, 1, …) as nvidia-smi numbers them, or left out"
+            )
         node = body.get("node")
         if node is not None and (not isinstance(node, str) or not node):
-            raise web.HTTPError(400, "'node' must be a Kubernetes node name (kubectl get nodes), or left out")
+            raise web.HTTPError(
+                400, "'node' must be a Kubernetes node name (kubectl get nodes), or left out"
+            )
         try:
             result = await self.service.make_room(nbytes, gpu=gpu, node=node)
         except RoomRequestError as e:

@@ -56,7 +56,9 @@ def service_access_scope(service_prefix: str) -> str:
     The name is ``$JUPYTERHUB_SERVICE_NAME`` (the Hub sets it for a managed service), else the
     last part of the service prefix (``/services/gpusnap/`` → ``gpusnap``).
     """
-    name = os.environ.get("JUPYTERHUB_SERVICE_NAME") or service_prefix.rstrip("/").rsplit("/", 1)[-1]
+    name = (
+        os.environ.get("JUPYTERHUB_SERVICE_NAME") or service_prefix.rstrip("/").rsplit("/", 1)[-1]
+    )
     return access_scope(name)
 
 
@@ -160,7 +162,9 @@ class BaseHandler(HubOAuthenticated, web.RequestHandler):
         server's token ``access:servers!server=<user>/<name>`` (JupyterHub's ``server``
         role, or Spawner.server_token_scopes), which no other user's token can hold; the
         owner's own broader tokens (``access:servers!user=…``) do not count."""
-        return self.owns(model, user) and f"access:servers!server={user}/{name}" in model.get("scopes", [])
+        return self.owns(model, user) and f"access:servers!server={user}/{name}" in model.get(
+            "scopes", []
+        )
 
 
 @web.stream_request_body

@@ -49,7 +49,10 @@ def _load_jupyter_server_extension(serverapp) -> None:
     base_url = web_app.settings.get("base_url", "/")
     web_app.add_handlers(".*$", handlers(base_url))
     reporter = GpuSnapReporter(
-        serverapp, client, on_answer=web_app.settings["gpusnap_on_status"], parent=serverapp,
+        serverapp,
+        client,
+        on_answer=web_app.settings["gpusnap_on_status"],
+        parent=serverapp,
         log=serverapp.log,
     )
     web_app.settings["gpusnap_reporter"] = reporter

@@ -139,11 +139,15 @@ class ServiceHandler(GpuSnapHandler):
         """
         client = self.client
         if client.server_key is None:
-            raise web.HTTPError(404, "This server is not running under JupyterHub: no gpusnap service")
+            raise web.HTTPError(
+                404, "This server is not running under JupyterHub: no gpusnap service"
+            )
         base = os.environ.get("JUPYTERHUB_BASE_URL", "/")
         base = base if base.endswith("/") else base + "/"
         url = f"{base}services/{quote(client.service_name, safe='')}/{client.server_path()}"
-        self.finish(json.dumps({"url": url, "token": client.api_token, "server": client.server_key}))
+        self.finish(
+            json.dumps({"url": url, "token": client.api_token, "server": client.server_key})
+        )
 
 
 class BackHandler(GpuSnapHandler):

@@ -52,11 +52,18 @@ class GpuSnapReporter(LoggingConfigurable):
     @validate("interval")
     def _check_interval(self, proposal):
         if not 1 <= proposal.value <= 3600:
-            raise ValueError(f"GpuSnapReporter.interval must be from 1 to 3600 seconds, got {proposal.value!r}")
+            raise ValueError(
+                f"GpuSnapReporter.interval must be from 1 to 3600 seconds, got {proposal.value!r}"
+            )
         return proposal.value
 
-    def __init__(self, serverapp, client: GpuSnapClient, on_answer: Callable[[dict], None] | None = None,
-                 **kwargs):
+    def __init__(
+        self,
+        serverapp,
+        client: GpuSnapClient,
+        on_answer: Callable[[dict], None] | None = None,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
         self.serverapp = serverapp
         self.client = client
@@ -72,7 +79,9 @@ class GpuSnapReporter(LoggingConfigurable):
             for k in self.serverapp.kernel_manager.list_kernels()
         ]
         manager = self.serverapp.web_app.settings.get("terminal_manager")
-        terminals = [{"last_activity": t.get("last_activity")} for t in manager.list()] if manager else []
+        terminals = (
+            [{"last_activity": t.get("last_activity")} for t in manager.list()] if manager else []
+        )
         return {"kernels": kernels, "terminals": terminals, "interval": self.interval}
 
     @staticmethod
@@ -88,7 +97,8 @@ class GpuSnapReporter(LoggingConfigurable):
             if e.message != self.last_error:  # one line per kind of failure, not one a second
                 self.log.warning(
                     "gpusnap: cannot report this server's kernels to the service (%s): %s",
-                    e.status, e.message,
+                    e.status,
+                    e.message,
                 )
             self.last_error = e.message
             return False

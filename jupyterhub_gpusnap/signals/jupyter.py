@@ -81,8 +81,8 @@ class Report:
             if not isinstance(items, list) or len(items) > MAX_REPORT_ITEMS:
                 raise ReportError(
                     f"'{field}' must be a list of at most {MAX_REPORT_ITEMS} objects, as in "
-                    f"/api/{field}, e.g. {{\"kernels\": [{{\"execution_state\": \"idle\", "
-                    f"\"last_activity\": \"2026-11-22T18:00:00Z\"}}], \"terminals\": []}}"
+                    f'/api/{field}, e.g. {{"kernels": [{{"execution_state": "idle", '
+                    f'"last_activity": "2026-11-22T18:00:00Z"}}], "terminals": []}}'
                 )
             clean = []
             for item in items:
@@ -102,19 +102,28 @@ class Report:
                 if field == "kernels":
                     state = item.get("execution_state")
                     if state is not None and not isinstance(state, str):
-                        raise ReportError("'execution_state' must be a string such as \"idle\" or \"busy\"")
+                        raise ReportError(
+                            '\'execution_state\' must be a string such as "idle" or "busy"'
+                        )
                     entry["execution_state"] = state
                 clean.append(entry)
             out[field] = clean
         interval = body.get("interval", 60.0)
         low, high = REPORT_INTERVALS
-        if (isinstance(interval, bool) or not isinstance(interval, (int, float))
-                or not low <= interval <= high):
+        if (
+            isinstance(interval, bool)
+            or not isinstance(interval, (int, float))
+            or not low <= interval <= high
+        ):
             raise ReportError(
                 f"'interval' must be the seconds until the next report, from {low:g} to {high:g}"
             )
-        return cls(received=received, kernels=out["kernels"], terminals=out["terminals"],
-                   interval=float(interval))
+        return cls(
+            received=received,
+            kernels=out["kernels"],
+            terminals=out["terminals"],
+            interval=float(interval),
+        )
 
 
 def parse_iso8601(value: str | None) -> float | None:
@@ -162,20 +171,29 @@ class JupyterSignal(SignalSource):
         if key in self.reports:
             return
         stamp = sample.get("jupyter_last_activity")
-        iso = (datetime.fromtimestamp(stamp, timezone.utc).isoformat().replace("+00:00", "Z")
-               if stamp is not None else None)
+        iso = (
+            datetime.fromtimestamp(stamp, timezone.utc).isoformat().replace("+00:00", "Z")
+            if stamp is not None
+            else None
+        )
         busy = int(sample.get("kernels_busy") or 0)
-        kernels = [{"execution_state": "busy" if i < busy else "idle", "last_activity": iso}
-                   for i in range(int(sample["kernels"]))]
+        kernels = [
+            {"execution_state": "busy" if i < busy else "idle", "last_activity": iso}
+            for i in range(int(sample["kernels"]))
+        ]
         terminals = [{"last_activity": iso} for _ in range(int(sample.get("terminals") or 0))]
-        self.reports[key] = Report(received=float(sample["time"]), kernels=kernels, terminals=terminals)
+        self.reports[key] = Report(
+            received=float(sample["time"]), kernels=kernels, terminals=terminals
+        )
 
     async def prefetch(self, servers: list[Server]) -> None:
         """Drop the stale reports of servers not running (called once per tick). A fresh one
         stays: a restored server may report before the Hub lists it as running again."""
         running = {s.key for s in servers}
         clock = time.time()
-        for key in [k for k, r in self.reports.items() if k not in running and r.fresh_until < clock]:
+        for key in [
+            k for k, r in self.reports.items() if k not in running and r.fresh_until < clock
+        ]:
             del self.reports[key]
 
     def from_report(self, report: Report, now: float) -> Sample:

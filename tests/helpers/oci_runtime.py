@@ -54,12 +54,24 @@ RUNC_ROOT = Path(os.environ.get("GPUSNAP_RUNC_ROOT", "/run/gpusnap-test-runc"))
 CRIU_CONF = "tcp-close\nfile-locks\nnetwork-lock nftables\n"
 
 # Mount points CRI-O leaves out of rootfs-diff.tar (libpod/diff.go's containerMounts).
-_CONTAINER_MOUNTS = {"/dev", "/dev/shm", "/proc", "/run", "/run/.containerenv", "/run/secrets", "/sys"}
+_CONTAINER_MOUNTS = {
+    "/dev",
+    "/dev/shm",
+    "/proc",
+    "/run",
+    "/run/.containerenv",
+    "/run/secrets",
+    "/sys",
+}
 
 
 def missing() -> str:
     """Why a real runtime cannot run here ("" when it can): what to install."""
-    for tool, package in ((RUNC, "runc"), (MMDEBSTRAP, "mmdebstrap"), (CRIU, "criu (.ci/install-criu.sh)")):
+    for tool, package in (
+        (RUNC, "runc"),
+        (MMDEBSTRAP, "mmdebstrap"),
+        (CRIU, "criu (.ci/install-criu.sh)"),
+    ):
         if not os.access(tool, os.X_OK):
             return f"{tool} not found: run .ci/install-runtime.sh (installs {package})"
     if os.geteuid() != 0:
@@ -183,7 +195,19 @@ class PodSandbox:
             time.sleep(0.01)
         netns = f"/proc/{self.pid}/ns/net"
         subprocess.run(["ip", "link", "del", self.veth], capture_output=True, check=False)
-        _sh("ip", "link", "add", self.veth, "type", "veth", "peer", "name", "eth0", "netns", str(self.pid))
+        _sh(
+            "ip",
+            "link",
+            "add",
+            self.veth,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "eth0",
+            "netns",
+            str(self.pid),
+        )
         _sh("ip", "addr", "add", f"{self.host_ip}/30", "dev", self.veth)
         _sh("ip", "link", "set", self.veth, "up")
         inside = ["nsenter", f"--net={netns}", "ip"]
@@ -288,10 +312,15 @@ class Container:
 
     def spec(self) -> dict:
         """The OCI spec (config.json) CRI-O would generate for this container."""
-        (self.dir / "hosts").write_text(f"127.0.0.1 localhost\n{self.sandbox.ip} pod-{self.sandbox.index}\n")
+        (self.dir / "hosts").write_text(
+            f"127.0.0.1 localhost\n{self.sandbox.ip} pod-{self.sandbox.index}\n"
+        )
         (self.dir / "termination-log").write_text("")
         (self.dir / "criu.conf").write_text(CRIU_CONF)
-        env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/home/jovyan"}
+        env = {
+            "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": "/home/jovyan",
+        }
         env.update(self.env)
         return {
             "ociVersion": "1.0.2-dev",
@@ -302,8 +331,15 @@ class Container:
                 "env": [f"{k}={v}" for k, v in env.items()],
                 "cwd": "/home/jovyan",
                 "capabilities": {
-                    k: ["CAP_CHOWN", "CAP_DAC_OVERRIDE", "CAP_FOWNER", "CAP_KILL", "CAP_SETGID",
-                        "CAP_SETUID", "CAP_NET_BIND_SERVICE"]
+                    k: [
+                        "CAP_CHOWN",
+                        "CAP_DAC_OVERRIDE",
+                        "CAP_FOWNER",
+                        "CAP_KILL",
+                        "CAP_SETGID",
+                        "CAP_SETUID",
+                        "CAP_NET_BIND_SERVICE",
+                    ]
                     for k in ("bounding", "effective", "permitted")
                 },  # fmt: skip
                 "noNewPrivileges": True,
@@ -312,24 +348,65 @@ class Container:
             "hostname": f"pod-{self.sandbox.index}",
             "mounts": [
                 {"destination": "/proc", "type": "proc", "source": "proc"},
-                {"destination": "/dev", "type": "tmpfs", "source": "tmpfs",
-                 "options": ["nosuid", "strictatime", "mode=755", "size=65536k"]},
-                {"destination": "/dev/pts", "type": "devpts", "source": "devpts",
-                 "options": ["nosuid", "noexec", "newinstance", "ptmxmode=0666", "mode=0620", "gid=5"]},
-                {"destination": "/dev/shm", "type": "tmpfs", "source": "shm",
-                 "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"]},
-                {"destination": "/dev/mqueue", "type": "mqueue", "source": "mqueue",
-                 "options": ["nosuid", "noexec", "nodev"]},
-                {"destination": "/sys", "type": "sysfs", "source": "sysfs",
-                 "options": ["nosuid", "noexec", "nodev", "ro"]},
-                {"destination": "/etc/hosts", "type": "bind", "source": str(self.dir / "hosts"),
-                 "options": ["rbind", "rprivate", "rw"]},
-                {"destination": "/dev/termination-log", "type": "bind",
-                 "source": str(self.dir / "termination-log"), "options": ["rbind", "rprivate", "rw"]},
+                {
+                    "destination": "/dev",
+                    "type": "tmpfs",
+                    "source": "tmpfs",
+                    "options": ["nosuid", "strictatime", "mode=755", "size=65536k"],
+                },
+                {
+                    "destination": "/dev/pts",
+                    "type": "devpts",
+                    "source": "devpts",
+                    "options": [
+                        "nosuid",
+                        "noexec",
+                        "newinstance",
+                        "ptmxmode=0666",
+                        "mode=0620",
+                        "gid=5",
+                    ],
+                },
+                {
+                    "destination": "/dev/shm",
+                    "type": "tmpfs",
+                    "source": "shm",
+                    "options": ["nosuid", "noexec", "nodev", "mode=1777", "size=65536k"],
+                },
+                {
+                    "destination": "/dev/mqueue",
+                    "type": "mqueue",
+                    "source": "mqueue",
+                    "options": ["nosuid", "noexec", "nodev"],
+                },
+                {
+                    "destination": "/sys",
+                    "type": "sysfs",
+                    "source": "sysfs",
+                    "options": ["nosuid", "noexec", "nodev", "ro"],
+                },
+                {
+                    "destination": "/etc/hosts",
+                    "type": "bind",
+                    "source": str(self.dir / "hosts"),
+                    "options": ["rbind", "rprivate", "rw"],
+                },
+                {
+                    "destination": "/dev/termination-log",
+                    "type": "bind",
+                    "source": str(self.dir / "termination-log"),
+                    "options": ["rbind", "rprivate", "rw"],
+                },
             ]  # fmt: skip
             + (
-                [{"destination": "/home/jovyan", "type": "bind", "source": str(self.home),
-                  "options": ["rbind", "rprivate", "rw"]}]  # fmt: skip
+                [
+                    {
+                        "destination": "/home/jovyan",
+                        "type": "bind",
+                        "source": str(self.home),
+                        "options": ["rbind", "rprivate", "rw"],
+                    }
+                ]  # fmt: skip
                 if self.volumes
                 else []
             ),
@@ -347,9 +424,23 @@ class Container:
                     {"type": "ipc", "path": self.sandbox.ns("ipc")},
                     {"type": "uts", "path": self.sandbox.ns("uts")},
                 ],
-                "maskedPaths": ["/proc/acpi", "/proc/kcore", "/proc/keys", "/proc/latency_stats",
-                                "/proc/timer_list", "/proc/sched_debug", "/proc/scsi", "/sys/firmware"],
-                "readonlyPaths": ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sys", "/proc/sysrq-trigger"],
+                "maskedPaths": [
+                    "/proc/acpi",
+                    "/proc/kcore",
+                    "/proc/keys",
+                    "/proc/latency_stats",
+                    "/proc/timer_list",
+                    "/proc/sched_debug",
+                    "/proc/scsi",
+                    "/sys/firmware",
+                ],
+                "readonlyPaths": [
+                    "/proc/bus",
+                    "/proc/fs",
+                    "/proc/irq",
+                    "/proc/sys",
+                    "/proc/sysrq-trigger",
+                ],
             },  # fmt: skip
         }
 
@@ -416,7 +507,13 @@ class Container:
         images = work / "checkpoint"
         images.mkdir(parents=True)
         self._runc(
-            "checkpoint", "--image-path", str(images), "--work-path", str(work), "--leave-running", self.id
+            "checkpoint",
+            "--image-path",
+            str(images),
+            "--work-path",
+            str(work),
+            "--leave-running",
+            self.id,
         )
         spec = json.loads((self.bundle / "config.json").read_text())
         (work / "spec.dump").write_text(json.dumps(spec))
@@ -450,7 +547,14 @@ class Container:
                 }
             )
         (work / "bind.mounts").write_text(json.dumps(bind))
-        include = ["stats-dump", "dump.log", "checkpoint", "config.dump", "spec.dump", "bind.mounts"]
+        include = [
+            "stats-dump",
+            "dump.log",
+            "checkpoint",
+            "config.dump",
+            "spec.dump",
+            "bind.mounts",
+        ]
         deleted = self._rootfs_diff(spec, work / "rootfs-diff.tar")
         include.append("rootfs-diff.tar")
         if deleted:
