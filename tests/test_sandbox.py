@@ -265,7 +265,18 @@ class Sandboxed:
                 p.kill()
         self.proc.kill()
         self.proc.wait()
-        psutil.wait_procs(victims, timeout=10)
+        # gone or a zombie: an orphaned init is reaped by the machine's pid 1, which may
+        # take a second (waiting for that made this teardown take 2 s per sandbox)
+        wait_until(
+            lambda: all(dead(p) for p in victims), lambda: f"still alive: {victims}", timeout=10
+        )
+
+
+def dead(p: psutil.Process) -> bool:
+    try:
+        return p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 @pytest.fixture
