@@ -54,6 +54,7 @@ CLONE_NEWPID = 0x20000000
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
 MS_REC, MS_PRIVATE = 0x4000, 1 << 18
 PR_SET_PDEATHSIG = 1
+MNT_DETACH = 2
 
 #: The signals a stop (or an admin) sends that the server must see.
 FORWARDED = (
@@ -148,6 +149,114 @@ def unreachable_files(pids: list[int]) -> list[str]:
                     "jupyterhub_gpusnap's spawner (which opens every file inside) or close it"
                 )
     return problems
+
+
+def _mounts(pid: int | str) -> list[tuple[str, str, str, str]]:
+    """``(mount point, major:minor, root, fs type)`` of each mount ``pid`` sees, in order."""
+    out = []
+    with open(f"/proc/{pid}/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            fstype = fields[fields.index("-") + 1]
+            out.append((fields[4], fields[2], fields[3], fstype))
+    return out
+
+
+def _unescape(path: str) -> str:
+    # mountinfo writes space, tab, newline and backslash as octal escapes
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        path = path.replace(code, char)
+    return path
+
+
+def gone_mounts(pid: int) -> list[str]:
+    """Mount points in the mount namespace of ``pid`` whose mount the host no longer has.
+
+    The namespace is a private copy of the host's mounts made when the server started:
+    a mount removed from the host later (a container's root file system, an automounted
+    folder that expired) stays in the copy. CRIU records every such mount by its path
+    and binds the same path again at restore, which fails once the host has it no
+    more, so these are detached before a dump (:func:`detach_mounts`). Deepest first;
+    empty if ``pid`` shares this process's mount namespace.
+    """
+    if not own_mount_namespace(pid):
+        return []
+    try:
+        host = set(_mounts("self"))
+        inside = _mounts(pid)
+    except (OSError, ValueError):
+        return []
+    gone = [m[0] for m in inside if m not in host and not (m[0] == "/proc" and m[3] == "proc")]
+    return sorted(set(gone), key=lambda p: (-p.count("/"), p))
+
+
+def users_of(pids: list[int], mount_points: list[str]) -> list[str]:
+    """What processes of ``pids`` hold under ``mount_points`` (open files, working or root
+    folder, mapped files): those mounts cannot be detached."""
+    held = []
+    roots = [_unescape(m).rstrip("/") + "/" for m in mount_points]
+    for pid in pids:
+        paths = []
+        for link in ("cwd", "root"):
+            try:
+                paths.append(os.readlink(f"/proc/{pid}/{link}"))
+            except OSError:
+                pass
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    paths.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                except OSError:
+                    pass
+            with open(f"/proc/{pid}/maps") as f:
+                paths += [
+                    line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) > 5
+                ]
+        except OSError:
+            pass
+        for path in paths:
+            for root in roots:
+                if root != "/" and (path + "/").startswith(root):
+                    held.append(f"process {pid} uses {path}")
+    return held
+
+
+def detach_mounts(pid: int, mount_points: list[str]) -> list[str]:
+    """Detach ``mount_points`` (from :func:`gone_mounts`) inside the mount namespace of
+    ``pid`` (``umount2(MNT_DETACH)`` in a helper process that joins it: this script with
+    ``--detach``); the ones that could not be detached, each with the reason."""
+    import subprocess
+
+    paths = [_unescape(m) for m in mount_points]
+    r = subprocess.run(
+        [sys.executable, "-I", "-S", os.path.abspath(__file__), "--detach", str(pid), *paths],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    failed = [line for line in r.stdout.splitlines() if line]
+    if r.returncode != 0 and not failed:
+        failed = [f"the helper exited {r.returncode}: {r.stderr.strip()[-300:]}"]
+    return failed
+
+
+def _detach(pid: str, paths: list[str]) -> None:
+    """``--detach PID PATH…``: join the mount namespace of PID, detach each PATH, print
+    ``PATH: reason`` for each that fails (one that is not mounted any more is fine)."""
+    try:
+        fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY)
+        _call("setns", fd, CLONE_NEWNS)
+        os.chdir("/")
+    except OSError as e:
+        print(f"cannot enter the mount namespace of {pid}: {e}", flush=True)
+        os._exit(1)
+    for path in paths:
+        try:
+            _call("umount2", path.encode(), MNT_DETACH)
+        except OSError as e:
+            if e.errno not in (22, 2):  # EINVAL: not a mount point (any more); ENOENT: gone
+                print(f"{path}: {e}", flush=True)
+    os._exit(0)
 
 
 # ---------------------------------------------------------------------- the three processes
@@ -281,6 +390,8 @@ def _server(user: str | None, cmd: list[str]) -> None:
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--detach"] and len(argv) > 2:
+        _detach(argv[1], argv[2:])
     log, user, init = "", None, False
     while argv and argv[0] != "--":
         if argv[0] == "--init":

@@ -608,6 +608,60 @@ async def test_host_mounts_stay_external_to_the_checkpoint(sandboxed, backend, h
     assert (await aask(port))["folder"] == ["after", "before"]
 
 
+@pytest.mark.criu
+async def test_a_mount_the_host_dropped_while_the_server_ran_is_detached_not_a_failed_restore(
+    sandboxed, backend, tmp_path, caplog
+):
+    # The namespace copied the host's mounts at start; a mount the host drops later (a
+    # container's root file system, an expired automount) stays in the copy, and a restore
+    # that binds it again from the host fails ("Can't stat mountpoint"). Detached first.
+    where = tmp_path / "gone-later"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "gpusnap-t", str(where)], check=True)
+    try:
+        sb, port = python_server(sandboxed)
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+    # the folder stays for now (removing a mount point detaches it everywhere); the copy
+    # in the server's namespace stays mounted
+    assert sandbox.gone_mounts(sb.init) == [str(where)]
+    before = await aask(port, "inc")
+    caplog.set_level("INFO")
+    info = await backend.checkpoint(Server(user="alice", name="", state={"pid": sb.init}))
+    assert info.status == "verified"
+    sb.wait()
+    where.rmdir()  # then the host removes the folder too (a container's bundle is deleted)
+    pid = (await backend.restore(info)).pid
+    sb.adopt(pid)
+    after = await aask(port, "get")
+    assert after["secret"] == before["secret"] and after["count"] == 1
+    assert (
+        f"detached 1 mount(s) the host no longer has before the checkpoint: {where}" in caplog.text
+    )
+
+
+@pytest.mark.criu
+async def test_a_server_working_in_a_mount_the_host_dropped_is_not_suspended(
+    sandboxed, backend, tmp_path
+):
+    where = tmp_path / "gone-later"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "gpusnap-t", str(where)], check=True)
+    try:
+        (where / "data").write_text("x")
+        sb = sandboxed(["sh", "-c", f"cd {where} && sleep 1000"])
+        server = sb.server
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+    with pytest.raises(CheckpointRefused) as e:
+        await backend.checkpoint(Server(user="alice", name="", state={"pid": sb.init}))
+    why = str(e.value)
+    assert f"the host no longer has {where}" in why and f"process {server} uses {where}" in why, why
+    assert "mount it on the host again" in why
+    assert is_alive(server) and sb.proc.poll() is None  # left running, nothing frozen
+    assert sandbox.gone_mounts(sb.init) == [str(where)]  # and left as it was
+
+
 # ---------------------------------------------------------------------- 7. unreachable files
 
 HOLDER = r"""

@@ -81,6 +81,7 @@ class LocalSuspendMixin:
         why = "; ".join(sandbox.unreachable_files(pids)[:3]) or criu.limits_unreadable(pids)
         if why:
             raise CheckpointRefused(f"{server.key}: cannot be checkpointed: {why}")
+        await self._detach_gone_mounts(server, pid, pids)
         rss = 0
         for p in pids:
             try:
@@ -102,6 +103,35 @@ class LocalSuspendMixin:
         if reserve:
             self._reserved[server.key] = estimate
         return version, pids, estimate, inventory
+
+    async def _detach_gone_mounts(self, server: Server, pid: int, pids: list[int]) -> None:
+        """Detach, inside the server's mount namespace, the mounts the host no longer has
+        (:func:`~jupyterhub_gpusnap.sandbox.gone_mounts`): a restore binds every mount of
+        the namespace again from the host, and fails on one that is gone. Refuses when a
+        process of the server still uses one (its restore could not bring it back)."""
+        gone = sandbox.gone_mounts(pid)
+        if not gone:
+            return
+        held = sandbox.users_of(pids, gone)
+        if held:
+            raise CheckpointRefused(
+                f"{server.key}: cannot be checkpointed: the host no longer has "
+                f"{', '.join(gone[:3])}, mounted when the server started, and the server "
+                f"still uses it ({'; '.join(held[:3])}); a restore could not bring it back: "
+                "mount it on the host again, or let the user close what they opened there"
+            )
+        failed = await asyncio.to_thread(sandbox.detach_mounts, pid, gone)
+        if failed:
+            raise CheckpointRefused(
+                f"{server.key}: cannot be checkpointed: could not detach mounts the host no "
+                f"longer has ({'; '.join(failed[:3])}); a restore would fail on them"
+            )
+        self.log.info(
+            "%s: detached %d mount(s) the host no longer has before the checkpoint: %s",
+            server.key,
+            len(gone),
+            ", ".join(gone[:5]),
+        )
 
     def _check_disk(self, key: str, estimate: int) -> None:
         """Refuse unless checkpoint_dir's disk holds ``estimate`` + min_free_bytes beyond
