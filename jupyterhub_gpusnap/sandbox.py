@@ -186,7 +186,10 @@ def gone_mounts(pid: int) -> list[str]:
         inside = _mounts(pid)
     except (OSError, ValueError):
         return []
-    gone = [m[0] for m in inside if m not in host and not (m[0] == "/proc" and m[3] == "proc")]
+    # never the namespace's root, nor its own /proc
+    gone = [
+        m[0] for m in inside if m not in host and m[0] != "/" and (m[0], m[3]) != ("/proc", "proc")
+    ]
     return sorted(set(gone), key=lambda p: (-p.count("/"), p))
 
 

@@ -565,6 +565,9 @@ async def test_checkpoint_and_restore_a_sandboxed_server(sandboxed, backend, tmp
     # the same PID namespace layout: the init is PID 1, the server keeps its pid (its own
     # /proc says so), the detached job too; /proc inside is still the namespace's own
     assert ns_pid(pid) == 1 and sandbox.own_mount_namespace(pid)
+    # every mount of the restored namespace is the host's again: a second checkpoint
+    # detaches nothing
+    assert sandbox.gone_mounts(pid) == [], sandbox._mounts(pid)
     assert after["pid"] == before["pid"] == after["stat_pid"] and after["ppid"] == 1
     assert sorted(ns_pid(p) for p in tree_pids(pid)) == layout
     assert after["proc"] == layout
