@@ -37,6 +37,8 @@ import time
 import uuid
 from pathlib import Path
 
+from tests.helpers.ports import worker_share
+
 RUNC = shutil.which("runc") or "/usr/sbin/runc"
 MMDEBSTRAP = shutil.which("mmdebstrap") or "/usr/bin/mmdebstrap"
 CRIU = shutil.which("criu") or "/usr/local/sbin/criu"
@@ -175,7 +177,8 @@ class PodSandbox:
         import random
 
         taken = {p.name for p in Path("/sys/class/net").iterdir()}
-        free = [i for i in range(1, 251) if f"gsnap{i}h" not in taken]
+        start, end = worker_share(1, 251)  # one test process's share of the addresses
+        free = [i for i in range(start, end) if f"gsnap{i}h" not in taken]
         return cls(random.choice(free)).start()
 
     def start(self) -> PodSandbox:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
@@ -23,8 +24,9 @@ def free_port() -> int:
     binds it, which made a service fail with "Address already in use". Never the same
     port twice in one test run."""
     low = min(_ephemeral_low(), 61000)
+    start, end = worker_share(max(1024, low - 16000), low)
     for _ in range(200):
-        port = random.randrange(max(1024, low - 16000), low)
+        port = random.randrange(start, end)
         if port in _given:
             continue
         with socket.socket() as s:
@@ -37,3 +39,16 @@ def free_port() -> int:
     with socket.socket() as s:  # below the range is full: fall back to the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def worker_share(start: int, end: int) -> tuple[int, int]:
+    """This test process's slice of ``[start, end)``: with pytest-xdist each worker (gw0,
+    gw1, …) takes ports (and pod sandbox addresses) from its own slice, so two workers
+    never hand out the same one before it is taken."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not worker.startswith("gw") or count < 2:
+        return start, end
+    i = int(worker[2:]) % count
+    width = (end - start) // count
+    return start + i * width, start + (i + 1) * width
