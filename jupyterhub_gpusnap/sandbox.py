@@ -176,21 +176,22 @@ def gone_mounts(pid: int) -> list[str]:
     a mount removed from the host later (a container's root file system, an automounted
     folder that expired) stays in the copy. CRIU records every such mount by its path
     and binds the same path again at restore, which fails once the host has it no
-    more, so these are detached before a dump (:func:`detach_mounts`). Deepest first;
-    empty if ``pid`` shares this process's mount namespace.
+    more, so these are detached before a dump (:func:`detach_mounts`). Only paths where
+    the host (this process's mount namespace, which must be the Hub's) has no mount at
+    all: a path the host mounts differently (another file system there now, a private
+    /tmp of the service's own unit) is left alone, since a restore binds whatever the
+    host has there. Deepest first; empty if ``pid`` shares this process's mount
+    namespace.
     """
     if not own_mount_namespace(pid):
         return []
     try:
-        host = set(_mounts("self"))
+        host = {m[0] for m in _mounts("self")}
         inside = _mounts(pid)
     except (OSError, ValueError):
         return []
-    # never the namespace's root, nor its own /proc
-    gone = [
-        m[0] for m in inside if m not in host and m[0] != "/" and (m[0], m[3]) != ("/proc", "proc")
-    ]
-    return sorted(set(gone), key=lambda p: (-p.count("/"), p))
+    gone = {m[0] for m in inside if m[0] not in host and m[0] != "/"}  # never the root
+    return sorted(gone, key=lambda p: (-p.count("/"), p))
 
 
 def users_of(pids: list[int], mount_points: list[str]) -> list[str]:

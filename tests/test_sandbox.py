@@ -644,6 +644,29 @@ async def test_a_mount_the_host_dropped_while_the_server_ran_is_detached_not_a_f
 
 
 @pytest.mark.criu
+async def test_a_path_the_host_mounts_anew_is_left_alone(sandboxed, backend, tmp_path):
+    # Another file system at the same path now (or the service's own private /tmp): not
+    # "gone"; the restore binds what the host has there.
+    where = tmp_path / "remounted"
+    where.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "gpusnap-a", str(where)], check=True)
+    try:
+        sb, port = python_server(sandboxed)
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "gpusnap-b", str(where)], check=True)
+    try:
+        assert sandbox.gone_mounts(sb.init) == []
+        before = await aask(port, "inc")
+        info = await backend.checkpoint(Server(user="alice", name="", state={"pid": sb.init}))
+        sb.wait()
+        sb.adopt((await backend.restore(info)).pid)
+        assert (await aask(port, "get"))["secret"] == before["secret"]
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+@pytest.mark.criu
 async def test_a_server_working_in_a_mount_the_host_dropped_is_not_suspended(
     sandboxed, backend, tmp_path
 ):
