@@ -152,9 +152,8 @@ class Rule:
     gpu_threshold: float = 5.0  # SM percent
     max_keep_running: float = 8 * 3600.0
     failure_backoff: float = 3600.0  # after a failed suspension, wait this long to retry
-    interaction_window: float | None = (
-        None  # seconds a Lab interaction holds off suspension; None: idle_window
-    )
+    # seconds a Lab interaction holds off suspension; None: idle_window
+    interaction_window: float | None = None
 
     @property
     def interaction_seconds(self) -> float:

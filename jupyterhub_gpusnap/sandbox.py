@@ -45,6 +45,7 @@ packages) so that the two helper processes cost a few MiB and start in milliseco
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import signal
 import sys
@@ -104,7 +105,7 @@ def restore_args(mount_namespace: bool) -> list[str]:
     return [*MOUNT_ARGS, "--root", "/"] if mount_namespace else []
 
 
-def _mount_ids(pid: int) -> dict[int, str]:
+def _mount_ids(pid: int | str) -> dict[int, str]:
     ids = {}
     with open(f"/proc/{pid}/mountinfo") as f:
         for line in f:
@@ -151,17 +152,6 @@ def unreachable_files(pids: list[int]) -> list[str]:
     return problems
 
 
-def _mounts(pid: int | str) -> list[tuple[str, str, str, str]]:
-    """``(mount point, major:minor, root, fs type)`` of each mount ``pid`` sees, in order."""
-    out = []
-    with open(f"/proc/{pid}/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            fstype = fields[fields.index("-") + 1]
-            out.append((fields[4], fields[2], fields[3], fstype))
-    return out
-
-
 def _unescape(path: str) -> str:
     # mountinfo writes space, tab, newline and backslash as octal escapes
     for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
@@ -186,11 +176,11 @@ def gone_mounts(pid: int) -> list[str]:
     if not own_mount_namespace(pid):
         return []
     try:
-        host = {m[0] for m in _mounts("self")}
-        inside = _mounts(pid)
-    except (OSError, ValueError):
+        host = set(_mount_ids("self").values())
+        inside = set(_mount_ids(pid).values())
+    except (OSError, ValueError, IndexError):
         return []
-    gone = {m[0] for m in inside if m[0] not in host and m[0] != "/"}  # never the root
+    gone = inside - host - {"/"}  # never the root
     return sorted(gone, key=lambda p: (-p.count("/"), p))
 
 
@@ -213,15 +203,15 @@ def users_of(pids: list[int], mount_points: list[str]) -> list[str]:
                 except OSError:
                     pass
             with open(f"/proc/{pid}/maps") as f:
-                paths += [
-                    line.split(None, 5)[5].strip() for line in f if len(line.split(None, 5)) > 5
-                ]
+                for line in f:
+                    fields = line.split(None, 5)  # the sixth, if any, is the mapped file
+                    if len(fields) > 5:
+                        paths.append(fields[5].strip())
         except OSError:
             pass
         for path in paths:
-            for root in roots:
-                if root != "/" and (path + "/").startswith(root):
-                    held.append(f"process {pid} uses {path}")
+            if any((path + "/").startswith(root) for root in roots):
+                held.append(f"process {pid} uses {path}")
     return held
 
 
@@ -258,7 +248,7 @@ def _detach(pid: str, paths: list[str]) -> None:
         try:
             _call("umount2", path.encode(), MNT_DETACH)
         except OSError as e:
-            if e.errno not in (22, 2):  # EINVAL: not a mount point (any more); ENOENT: gone
+            if e.errno not in (errno.EINVAL, errno.ENOENT):  # not a mount point (any more)
                 print(f"{path}: {e}", flush=True)
     os._exit(0)
 
@@ -329,10 +319,6 @@ def _relay(child: int, reap_others: bool) -> int:
                 return status
 
 
-def _unblock_all() -> None:
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {*FORWARDED, signal.SIGCHLD})
-
-
 def _launcher(log: str, user: str | None, cmd: list[str]) -> None:
     try:
         _call("unshare", CLONE_NEWNS | CLONE_NEWPID)
@@ -377,7 +363,8 @@ def _init(log: str, user: str | None, cmd: list[str]) -> None:
 
 
 def _server(user: str | None, cmd: list[str]) -> None:
-    _unblock_all()  # a signal sent since the fork, pending, ends the server here
+    # a signal sent since the fork, pending, ends the server here
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {*FORWARDED, signal.SIGCHLD})
     try:
         os.setsid()
         if user is not None:

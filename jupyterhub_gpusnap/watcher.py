@@ -207,9 +207,8 @@ class Watcher(LoggingConfigurable):
         )
         samples: dict[str, Sample] = {}
         errors = 0
-        if (
-            len(parts) == 1
-        ):  # the usual case: the source's own sample, restamped, with the Hub's view
+        # the usual case: the source's own sample, restamped, with the Hub's view
+        if len(parts) == 1:
             for key, last, part in zip(keys, hub, parts[0], strict=True):
                 sample = samples[key] = _restamped(part, now)
                 if sample.hub_last_activity is None:

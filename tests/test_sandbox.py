@@ -567,7 +567,7 @@ async def test_checkpoint_and_restore_a_sandboxed_server(sandboxed, backend, tmp
     assert ns_pid(pid) == 1 and sandbox.own_mount_namespace(pid)
     # every mount of the restored namespace is the host's again: a second checkpoint
     # detaches nothing
-    assert sandbox.gone_mounts(pid) == [], sandbox._mounts(pid)
+    assert sandbox.gone_mounts(pid) == [], sandbox._mount_ids(pid)
     assert after["pid"] == before["pid"] == after["stat_pid"] and after["ppid"] == 1
     assert sorted(ns_pid(p) for p in tree_pids(pid)) == layout
     assert after["proc"] == layout
@@ -581,17 +581,19 @@ async def test_checkpoint_and_restore_a_sandboxed_server(sandboxed, backend, tmp
     assert (await aask(port, "inc"))["count"] == 3
 
 
+def mount_tmpfs(where: Path, source: str = "gpusnap-test") -> None:
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", source, str(where)], check=True)
+
+
 @pytest.fixture
 def host_tmpfs(tmp_path):
     """A tmpfs mounted on the host (as a home on NFS or the GPU driver's folder would be);
-    unmounted at teardown."""
+    unmounted at teardown (if still there)."""
     where = tmp_path / "host-mount"
     where.mkdir()
-    subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "gpusnap-test", str(where)], check=True
-    )
+    mount_tmpfs(where)
     yield where
-    subprocess.run(["umount", "-l", str(where)], check=False)
+    subprocess.run(["umount", "-l", str(where)], capture_output=True, check=False)
 
 
 @pytest.mark.criu
@@ -613,18 +615,14 @@ async def test_host_mounts_stay_external_to_the_checkpoint(sandboxed, backend, h
 
 @pytest.mark.criu
 async def test_a_mount_the_host_dropped_while_the_server_ran_is_detached_not_a_failed_restore(
-    sandboxed, backend, tmp_path, caplog
+    sandboxed, backend, host_tmpfs, caplog
 ):
     # The namespace copied the host's mounts at start; a mount the host drops later (a
     # container's root file system, an expired automount) stays in the copy, and a restore
     # that binds it again from the host fails ("Can't stat mountpoint"). Detached first.
-    where = tmp_path / "gone-later"
-    where.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "gpusnap-t", str(where)], check=True)
-    try:
-        sb, port = python_server(sandboxed)
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
+    where = host_tmpfs
+    sb, port = python_server(sandboxed)
+    subprocess.run(["umount", str(where)], check=True)
     # the folder stays for now (removing a mount point detaches it everywhere); the copy
     # in the server's namespace stays mounted
     assert sandbox.gone_mounts(sb.init) == [str(where)]
@@ -644,41 +642,29 @@ async def test_a_mount_the_host_dropped_while_the_server_ran_is_detached_not_a_f
 
 
 @pytest.mark.criu
-async def test_a_path_the_host_mounts_anew_is_left_alone(sandboxed, backend, tmp_path):
+async def test_a_path_the_host_mounts_anew_is_left_alone(sandboxed, backend, host_tmpfs):
     # Another file system at the same path now (or the service's own private /tmp): not
     # "gone"; the restore binds what the host has there.
-    where = tmp_path / "remounted"
-    where.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "gpusnap-a", str(where)], check=True)
-    try:
-        sb, port = python_server(sandboxed)
-    finally:
-        subprocess.run(["umount", str(where)], check=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "gpusnap-b", str(where)], check=True)
-    try:
-        assert sandbox.gone_mounts(sb.init) == []
-        before = await aask(port, "inc")
-        info = await backend.checkpoint(Server(user="alice", name="", state={"pid": sb.init}))
-        sb.wait()
-        sb.adopt((await backend.restore(info)).pid)
-        assert (await aask(port, "get"))["secret"] == before["secret"]
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
+    sb, port = python_server(sandboxed)
+    subprocess.run(["umount", str(host_tmpfs)], check=True)
+    mount_tmpfs(host_tmpfs, "gpusnap-other")
+    assert sandbox.gone_mounts(sb.init) == []
+    before = await aask(port, "inc")
+    info = await backend.checkpoint(Server(user="alice", name="", state={"pid": sb.init}))
+    sb.wait()
+    sb.adopt((await backend.restore(info)).pid)
+    assert (await aask(port, "get"))["secret"] == before["secret"]
 
 
 @pytest.mark.criu
 async def test_a_server_working_in_a_mount_the_host_dropped_is_not_suspended(
-    sandboxed, backend, tmp_path
+    sandboxed, backend, host_tmpfs
 ):
-    where = tmp_path / "gone-later"
-    where.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "gpusnap-t", str(where)], check=True)
-    try:
-        (where / "data").write_text("x")
-        sb = sandboxed(["sh", "-c", f"cd {where} && sleep 1000"])
-        server = sb.server
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=True)
+    where = host_tmpfs
+    (where / "data").write_text("x")
+    sb = sandboxed(["sh", "-c", f"cd {where} && sleep 1000"])
+    server = sb.server
+    subprocess.run(["umount", "-l", str(where)], check=True)
     with pytest.raises(CheckpointRefused) as e:
         await backend.checkpoint(Server(user="alice", name="", state={"pid": sb.init}))
     why = str(e.value)

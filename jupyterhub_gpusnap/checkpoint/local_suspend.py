@@ -81,7 +81,6 @@ class LocalSuspendMixin:
         why = "; ".join(sandbox.unreachable_files(pids)[:3]) or criu.limits_unreadable(pids)
         if why:
             raise CheckpointRefused(f"{server.key}: cannot be checkpointed: {why}")
-        await self._detach_gone_mounts(server, pid, pids)
         rss = 0
         for p in pids:
             try:
@@ -198,6 +197,7 @@ class LocalSuspendMixin:
         t0 = time.monotonic()  # time_to_gpu_free_s counts from here
         version, pids, _, inv = await self._preflight(server, reserve=True)
         pid = server.pid
+        await self._detach_gone_mounts(server, pid, pids)  # changes the namespace: here, not in check()
         created = time.time()
         stamp = datetime.fromtimestamp(created, timezone.utc).strftime(_TS)
         folder = (
