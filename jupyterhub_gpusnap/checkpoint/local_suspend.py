@@ -197,9 +197,8 @@ class LocalSuspendMixin:
         t0 = time.monotonic()  # time_to_gpu_free_s counts from here
         version, pids, _, inv = await self._preflight(server, reserve=True)
         pid = server.pid
-        await self._detach_gone_mounts(
-            server, pid, pids
-        )  # changes the namespace: here, not in check()
+        # it changes the server's namespace: here, not in the read-only check()
+        await self._detach_gone_mounts(server, pid, pids)
         created = time.time()
         stamp = datetime.fromtimestamp(created, timezone.utc).strftime(_TS)
         folder = (
