@@ -155,6 +155,10 @@ def _sh(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run(args, check=True, capture_output=True, text=True, **kw)
 
 
+#: pod sandbox indices this test process has handed out (PodSandbox.new)
+_used: set[int] = set()
+
+
 class PodSandbox:
     """A pod's shared namespaces (net, IPC, UTS) held by a pause process, with its own IP.
 
@@ -173,13 +177,17 @@ class PodSandbox:
 
     @classmethod
     def new(cls) -> PodSandbox:
-        """A sandbox on an index no other pod on this machine uses."""
+        """A sandbox on an index no other pod on this machine uses, and none this test
+        process used before while there is one left (a restore's new pod must not get its
+        old pod's address back: as on a cluster, a new pod has a new IP)."""
         import random
 
         taken = {p.name for p in Path("/sys/class/net").iterdir()}
         start, end = worker_share(1, 251)  # one test process's share of the addresses
         free = [i for i in range(start, end) if f"gsnap{i}h" not in taken]
-        return cls(random.choice(free)).start()
+        index = random.choice([i for i in free if i not in _used] or free)
+        _used.add(index)
+        return cls(index).start()
 
     def start(self) -> PodSandbox:
         self.proc = subprocess.Popen(
