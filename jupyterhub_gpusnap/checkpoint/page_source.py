@@ -11,11 +11,13 @@ starts checking what comes next in the pool):
     checked against its id (:meth:`.ChunkStore.get`, which also repairs it from a
     replica) straight from the store, no unpacked copy.
 
-Checked segments (or chunks) stay in memory, the last ``keep`` of them: a fault and the
-background transfer that follows often land in the same one, and :meth:`ahead` fills the
-cache before the lazy-pages daemon asks (it fetches in address order, which is file
-order). Either raises :class:`PageDamaged`, naming the file, the offset and the block or
-chunk, when bytes do not match: they are never returned.
+Checked segments (or chunks) stay in memory, the last ``keep`` bytes of them: a fault and
+the background transfer that follows often land in the same one, and :meth:`ahead` fills
+the cache before the lazy-pages daemon asks (it fetches in address order, which is file
+order). Kept by bytes, not by count: a chunk holds 512 KiB to 8 MiB, and what
+:meth:`ahead` checked must still be there when it is asked for. Either raises
+:class:`PageDamaged`, naming the file, the offset and the block or chunk, when bytes do
+not match: they are never returned.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .chunks import ChunkStore
 from .page_sums import PageSums
 
 SEGMENT = 1 << 20
+KEEP = 128 << 20  # checked bytes kept per pages file: more than the page server reads ahead
 
 
 class PageDamaged(ValueError):
@@ -48,6 +51,7 @@ class _Segmented:
         self.pool = pool
         self.keep = keep
         self._cache: OrderedDict[int, bytes] = OrderedDict()
+        self._cached = 0  # bytes in _cache
         self._loading: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
 
@@ -76,9 +80,11 @@ class _Segmented:
             with self._lock:
                 self._loading.pop(i).set()
         with self._lock:
-            self._cache[i] = data
-            while len(self._cache) > self.keep:
-                self._cache.popitem(last=False)
+            if i not in self._cache:
+                self._cache[i] = data
+                self._cached += len(data)
+            while self._cached > self.keep and len(self._cache) > 1:
+                self._cached -= len(self._cache.popitem(last=False)[1])
         return data
 
     def read(self, offset: int, length: int) -> list[memoryview]:
@@ -138,13 +144,6 @@ class _Segmented:
                 self._hint(k)
                 self.pool.submit(self._quietly, k)
 
-    def warm(self) -> None:
-        """Have the kernel read the whole file into the page cache now, in file order,
-        without waiting (``POSIX_FADV_WILLNEED``): a cold image is otherwise read one fault's
-        segment (or chunk) at a time, each a random read the process waits for."""
-        for i in range(len(self.starts)):
-            self._hint(i)
-
     def _quietly(self, i: int) -> None:
         try:
             self._segment(i)
@@ -154,12 +153,13 @@ class _Segmented:
     def close(self) -> None:
         with self._lock:
             self._cache.clear()
+            self._cached = 0
 
 
 class RawPages(_Segmented):
     """Pages file ``path`` checked against ``sums``."""
 
-    def __init__(self, path: Path | str, sums: PageSums, pool: Executor, keep: int = 96):
+    def __init__(self, path: Path | str, sums: PageSums, pool: Executor, keep: int = KEEP):
         super().__init__(pool, keep)
         self.path = Path(path)
         self.name = self.path.name
@@ -198,12 +198,6 @@ class RawPages(_Segmented):
         except OSError:
             pass
 
-    def warm(self) -> None:
-        try:
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-
     def close(self) -> None:
         super().close()
         os.close(self.fd)
@@ -213,7 +207,7 @@ class ChunkPages(_Segmented):
     """Pages file ``name`` stored as ``refs`` (``[[id, length], …]``) in ``store``'s ``space``."""
 
     def __init__(self, store: ChunkStore, space: str, name: str, refs: list, pool: Executor,
-                 keep: int = 48):  # fmt: skip
+                 keep: int = KEEP):  # fmt: skip
         super().__init__(pool, keep)
         self.store = store
         self.space = space
