@@ -267,9 +267,6 @@ async def restore(
     t0 = time.monotonic()
     pagemaps, sources = await asyncio.to_thread(stage, image, staging, pool)
     staged_s = time.monotonic() - t0
-    # the disk reads the image while CRIU restores; faults then find it in memory
-    warming = asyncio.get_running_loop().run_in_executor(None, _warm, list(sources.values()))
-    warming.add_done_callback(lambda f: f.cancelled() or f.exception())
     failed = asyncio.Event()
     server = PageServer(pagemaps, sources, pool, on_failure=lambda e: failed.set())
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -341,11 +338,6 @@ async def restore(
                   "lazy_bytes": lazy.lazy_bytes}  # fmt: skip
     lazy.done = asyncio.ensure_future(_watch(lazy, failed, stop_all, poll))
     return lazy
-
-
-def _warm(sources: list) -> None:
-    for source in sources:
-        source.warm()
 
 
 def _end_restores(staging: Path) -> None:
