@@ -18,11 +18,14 @@ image is dropped from the page cache before each restore (the disk is read).
 ``sums_s``: writing the page sums of a ``files`` checkpoint right after it was taken
 (:func:`~jupyterhub_gpusnap.checkpoint.page_sums.write_sums`, which checks the manifest's
 checksums in the same pass), next to ``suspend_s``, the checkpoint call itself.
-``served_mib`` / ``fault_requests``: what the page server sent, and how many of its
-requests were for one page (page faults, and one-page ranges of the daemon's background
-transfer; the rest is background transfer).
+``served_mib`` / ``requests`` / ``fault_requests``: what the page server sent, in how
+many requests, and how many of its requests were for one page (page faults, and
+one-page ranges of the daemon's background transfer; the rest is background transfer).
+``--repeated F``: the last part F of the data is one byte over and over, as much of a GPU
+process's host memory is; the chunk store cuts it into its smallest chunks.
 
-Usage: ``python bench/lazy_restore.py [--gib 0.2 1 2] [--restores N] [--warm] [--name NAME]``
+Usage: ``python bench/lazy_restore.py [--gib 0.2 1 2] [--restores N] [--warm] [--repeated F]
+[--name NAME]``
 → bench/results/lazy_restore.json (or NAME.json; ``--warm``: the image is left in the page
 cache, which separates reading the disk from the rest). Needs root, CRIU >= 4.2 and
 userfaultfd (``criu check --feature uffd-noncoop``).
@@ -56,16 +59,17 @@ from jupyterhub_gpusnap.model import Server
 
 COLUMNS = [
     "gib", "storage", "mode", "answer_s", "answer_min_s", "answer_max_s", "all_in_s",
-    "all_in_ratio", "intact", "suspend_s", "sums_s", "served_mib", "fault_requests",
+    "all_in_ratio", "intact", "suspend_s", "sums_s", "served_mib", "requests", "fault_requests",
 ]  # fmt: skip
 
 HOLDER = r"""
 import hashlib, json, os, socket, sys
 port, n = int(sys.argv[1]), int(float(sys.argv[2]) * (1 << 30))
+same = int(n * float(sys.argv[3]))  # the last part: one byte over and over
 data = bytearray(n)
 for i in range(0, n, 64 << 20):
     k = min(64 << 20, n - i)
-    data[i : i + k] = os.urandom(k)
+    data[i : i + k] = os.urandom(k) if i < n - same else b"\1" * k
 digest = hashlib.sha256(data).hexdigest()
 s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -116,11 +120,11 @@ async def answer(port: int, timeout: float = 600) -> dict:
 class Holder:
     """The process: ``unshare --pid --fork`` → the holder (its namespace's init)."""
 
-    def __init__(self, gib: float):
+    def __init__(self, gib: float, repeated: float = 0.0):
         self.port = free_port()
         self.proc = subprocess.Popen(
             ["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", HOLDER,
-             str(self.port), str(gib)],
+             str(self.port), str(gib), str(repeated)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         import psutil
@@ -193,7 +197,7 @@ async def restore_lazy(backend: LocalBackend, folder: Path, m: Manifest, port: i
         shutil.rmtree(staging, ignore_errors=True)
     return {"answer_s": answered, "all_in_s": all_in, "now": now,
             "served_mib": round(stats["served_bytes"] / 2**20, 1),
-            "fault_requests": stats["fault_requests"]}  # fmt: skip
+            "requests": stats["requests"], "fault_requests": stats["fault_requests"]}  # fmt: skip
 
 
 async def run(sizes: list[float], restores: int, root: Path) -> list[dict]:
@@ -204,7 +208,7 @@ async def run(sizes: list[float], restores: int, root: Path) -> list[dict]:
             backend = LocalBackend(
                 checkpoint_dir=str(root / storage), storage=storage, min_free_bytes=0
             )
-            h = Holder(gib)
+            h = Holder(gib, REPEATED)
             before = (await ask(h.port, "hash"))["digest"]
             t = time.monotonic()
             info = await backend.checkpoint(Server(user="bench", name="", state={"pid": h.pid}))
@@ -250,6 +254,7 @@ async def run(sizes: list[float], restores: int, root: Path) -> list[dict]:
                     "suspend_s": round(suspend_s, 3),
                     "sums_s": round(sums_s, 3) if sums_s is not None and mode == "lazy" else None,
                     "served_mib": got[-1].get("served_mib"),
+                    "requests": got[-1].get("requests"),
                     "fault_requests": got[-1].get("fault_requests"),
                 })  # fmt: skip
             shutil.rmtree(root / storage, ignore_errors=True)
@@ -258,18 +263,22 @@ async def run(sizes: list[float], restores: int, root: Path) -> list[dict]:
 
 
 WARM = False  # --warm: the image stays in the page cache (separates the disk from the rest)
+REPEATED = 0.0  # --repeated: the part of the data that is one byte over and over
 
 
 def main() -> None:
-    global WARM
+    global WARM, REPEATED
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, nargs="+", default=[0.2, 1, 2])
     ap.add_argument("--restores", type=int, default=1)
     ap.add_argument("--dir", default="", help="where checkpoints go (default: a temporary folder)")
     ap.add_argument("--name", default="lazy_restore")
     ap.add_argument("--warm", action="store_true", help="leave the image in the page cache")
+    ap.add_argument("--repeated", type=float, default=0.0,
+                    help="the part of the data (0-1) that is one byte over and over, as in a GPU "
+                    "process's host buffers: it is cut into the smallest chunks")  # fmt: skip
     args = ap.parse_args()
-    WARM = args.warm
+    WARM, REPEATED = args.warm, args.repeated
     root = Path(args.dir or tempfile.mkdtemp(prefix="gpusnap-bench-lazy-", dir="/var/tmp"))
     root.mkdir(parents=True, exist_ok=True)
     try:
@@ -278,7 +287,7 @@ def main() -> None:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     table = print_table(rows, COLUMNS)
-    write_json(args.name, rows, restores=args.restores, warm=WARM, table=table)
+    write_json(args.name, rows, restores=args.restores, warm=WARM, repeated=REPEATED, table=table)
 
 
 if __name__ == "__main__":
