@@ -26,9 +26,9 @@ and checked now. The daemon takes fewer pages than it asked for and asks again f
 rest (``criu/page-xfer.c``: "page-server may return less pages than we asked for";
 ``uffd_io_complete`` puts the rest back). Answers go back in request order, so this keeps
 a page fault from waiting behind a large background request that is still being read.
-Only a request that continues the last answer for its process (the background transfer,
-or a reader going through memory in order) starts checking the next ``ahead`` bytes in
-the pool; a lone fault does not.
+Only a request that goes on in its pages file where the last answer or request ended
+(the background transfer, or a reader going through memory in order) starts checking the
+next ``ahead`` bytes in the pool; a lone fault does not.
 
 On a failed check the server answers nothing more: the faulting thread stays blocked in
 the kernel, never running on with memory that is not its own, until :mod:`.lazy` has
@@ -86,7 +86,9 @@ class PageServer:
         self.first_at: float | None = None
         self.last_at: float | None = None
         self._writer: asyncio.StreamWriter | None = None
-        self._next: dict[int, int] = {}  # process -> the address after its last answer
+        # pages file -> the offset after its last answer, and after its last request
+        self._next: dict[str, int] = {}
+        self._asked: dict[str, int] = {}
 
     # ------------------------------------------------------------ serving
     async def serve(self, sock) -> None:
@@ -112,7 +114,7 @@ class PageServer:
                         self.faults += 1
                     if self.first_at is None:
                         self.first_at = time.monotonic()
-                    in_order = self._next.get(dst) == vaddr
+                    in_order = self._in_order(dst, vaddr, nr)
                     fut = self._cached(dst, vaddr, nr, in_order)
                     if fut is None:
                         fut = loop.run_in_executor(self.pool, self._read, dst, vaddr, nr, in_order)
@@ -137,6 +139,21 @@ class PageServer:
             raise PageDamaged(f"lazy-pages asked for {nr} pages at {vaddr:#x}: {e}") from e
         return self.sources[pm.pages_file], ranges
 
+    def _in_order(self, dst: int, vaddr: int, nr: int) -> bool:
+        """Whether this request goes on in its pages file where the last answer or request
+        for that file ended: the daemon's transfer goes through a process's memory in address
+        order, which is file order, one run of present pages after another (a GPU process's
+        memory is thousands of runs; the next run's address is not where the last ended, its
+        offset in the file is)."""
+        try:
+            source, ranges = self._locate(dst, vaddr, nr)
+        except PageDamaged:
+            return False  # _read reports it
+        off, name = ranges[0][0], source.name
+        in_order = off in (self._next.get(name), self._asked.get(name))
+        self._asked[name] = ranges[-1][0] + ranges[-1][1]
+        return in_order
+
     def _cached(self, dst: int, vaddr: int, nr: int, in_order: bool) -> asyncio.Future | None:
         """The answer as a done future, ``(pages, views)``, when at least its first page is
         checked and in memory already (the longest such prefix); else None."""
@@ -156,15 +173,17 @@ class PageServer:
         if not pages:
             return None
         parts = _trim(parts, pages * PAGE)
+        end = _file_offset(ranges, pages * PAGE)
         if in_order and self.ahead:
-            source.ahead(_file_offset(ranges, pages * PAGE), self.ahead)
+            source.ahead(end, self.ahead)
         fut = asyncio.get_running_loop().create_future()
-        fut.set_result((pages, parts))
+        fut.set_result((pages, parts, source.name, end))
         return fut
 
-    def _read(self, dst: int, vaddr: int, nr: int, in_order: bool) -> tuple[int, list]:
-        """Read and check the first segment (or chunk) the request needs: ``(pages, views)``
-        from ``vaddr``, at least one page (two segments when one ends inside it)."""
+    def _read(self, dst: int, vaddr: int, nr: int, in_order: bool) -> tuple:
+        """Read and check the first segment (or chunk) the request needs: ``(pages, views,
+        pages file, offset after them)`` from ``vaddr``, at least one page (two segments when
+        one ends inside it)."""
         t = time.perf_counter()
         source, ranges = self._locate(dst, vaddr, nr)
         off, n = ranges[0]
@@ -174,7 +193,7 @@ class PageServer:
         if in_order and self.ahead:
             source.ahead(off + want, self.ahead)
         self.read_s += time.perf_counter() - t
-        return want // PAGE, parts
+        return want // PAGE, parts, source.name, off + want
 
     async def _send(self, queue: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
         while True:
@@ -190,11 +209,11 @@ class PageServer:
                 continue
             vaddr, dst, fut = item
             try:
-                nr, data = await fut
+                nr, data, name, end = await fut
             except Exception as e:
                 self._fail(e)
                 continue
-            self._next[dst] = vaddr + nr * PAGE
+            self._next[name] = end
             writer.write(IOV.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, nr, vaddr, dst))
             writer.writelines(data)
             try:
