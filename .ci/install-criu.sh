@@ -16,7 +16,8 @@ PREFIX=${CRIU_PREFIX:-/usr/local}
 
 patches=$(cd "$(dirname "$0")/criu-patches" && pwd)
 # each patch's own message marks a binary built with it
-markers=('rlimit %d from /proc/%d/limits' '#PF at 0x%llx: asking for %llu bytes, background stays at %lu')
+markers=('rlimit %d from /proc/%d/limits' '#PF at 0x%llx: asking for %llu bytes, background stays at %lu'
+  'background: %lu pages at 0x%lx, up to %d requests in flight')
 have=$(criu --version 2>/dev/null | awk '/^Version:/{print $2}' || true)
 patched() {
   local m
