@@ -1,15 +1,19 @@
-"""Checked page sources of a lazy restore (page_source.py): what the page server checks
-ahead of the lazy-pages daemon is still in memory when the daemon asks for it."""
+"""Checked page sources of a lazy restore (page_source.py, page_server.py): the page server
+checks ahead of the lazy-pages daemon's transfer, and what it checked is still in memory
+when the daemon asks for it."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
 from concurrent.futures import ThreadPoolExecutor
 
 from jupyterhub_gpusnap.checkpoint.chunks import ChunkStore
-from jupyterhub_gpusnap.checkpoint.page_server import AHEAD
+from jupyterhub_gpusnap.checkpoint.page_server import AHEAD, IOV, PS_IOV_GET, PageServer
 from jupyterhub_gpusnap.checkpoint.page_source import ChunkPages, RawPages
 from jupyterhub_gpusnap.checkpoint.page_sums import load_sums, write_sums
+from jupyterhub_gpusnap.checkpoint.pagemap import PAGE, Pagemap, Run
 
 
 def _checked_ahead(source, pool: ThreadPoolExecutor) -> int:
@@ -44,3 +48,33 @@ def test_raw_segments_read_ahead_stay_until_asked_for(tmp_path):
     reader = ThreadPoolExecutor(4)
     source = RawPages(image, load_sums(tmp_path, image.name, image.stat().st_size), reader)
     assert _checked_ahead(source, reader) == AHEAD
+
+
+async def test_the_transfer_reads_ahead_across_runs_of_pages(tmp_path):
+    # A GPU process's memory is thousands of runs of present pages: the daemon's next
+    # request starts at the next run's address, not where the last answer ended, but at
+    # the next offset of the pages file. Read-ahead keyed by address never started there.
+    pool = ThreadPoolExecutor(2)
+    image = tmp_path / "pages-1.img"
+    image.write_bytes(os.urandom(1 << 20) * 96)
+    write_sums(tmp_path, [image.name], pool, expected=None)
+    source = RawPages(image, load_sums(tmp_path, image.name, image.stat().st_size), pool)
+    run = (1 << 20) // PAGE  # pages per run: 1 MiB each, 2 MiB apart in the address space
+    runs = [Run(0x10000000 + i * (2 << 20), run, i << 20, 0) for i in range(96)]
+    server = PageServer([Pagemap("pagemap-7.img", 1, runs, pid=7)], {image.name: source}, pool)
+    ours, theirs = socket.socketpair()
+    serving = asyncio.ensure_future(server.serve(ours))
+    reader, writer = await asyncio.open_connection(sock=theirs)
+    for r in runs[:2]:  # the daemon's transfer: one run, then the next
+        writer.write(IOV.pack(PS_IOV_GET, run, r.vaddr, 7))
+        head = await reader.readexactly(IOV.size)
+        assert IOV.unpack(head)[1] == run
+        await reader.readexactly(run * PAGE)
+    await asyncio.sleep(0)
+    pool.shutdown(wait=True)  # the read-ahead the second request started has finished
+    _, got = source.prefix(2 << 20, AHEAD)
+    assert got == AHEAD, f"{got >> 20} MiB read ahead of the transfer"
+    writer.close()
+    server.close()
+    await asyncio.gather(serving, return_exceptions=True)
+    source.close()
