@@ -3,8 +3,9 @@
 # with the patches in .ci/criu-patches: `criu dump` reads another user's resource limits
 # from /proc/<pid>/limits when prlimit needs the CAP_SYS_RESOURCE that root in a container
 # lacks (without it a server running as a Unix user cannot be checkpointed there), and
-# `criu lazy-pages` asks for more than one page per fault and for larger background
-# transfers (a lazy restore's sequential readers, docs/lazy-restore.md).
+# `criu lazy-pages` asks for more than one page per fault, for larger background
+# transfers, and keeps several of them in flight (a lazy restore's sequential readers and
+# GPU processes' thousands of page runs, docs/lazy-restore.md).
 # Debian bookworm's packaged criu (3.17) fails `criu check` on kernels >= 6.13 and
 # 4.1 cannot dump TCP sockets there; 4.2 works. Idempotent: does nothing when a
 # criu >= 4.2 with the patches is already on PATH.
