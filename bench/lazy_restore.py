@@ -21,8 +21,8 @@ checksums in the same pass), next to ``suspend_s``, the checkpoint call itself.
 ``served_mib`` / ``requests`` / ``fault_requests``: what the page server sent, in how
 many requests, and how many of its requests were for one page (page faults, and
 one-page ranges of the daemon's background transfer; the rest is background transfer).
-``--repeated F``: the last part F of the data is one byte over and over, as much of a GPU
-process's host memory is; the chunk store cuts it into its smallest chunks.
+``--repeated F``: the last part F of the data is one byte over and over, like the zero-filled
+buffers of a GPU process; the chunk store cuts it into its smallest chunks.
 
 Usage: ``python bench/lazy_restore.py [--gib 0.2 1 2] [--restores N] [--warm] [--repeated F]
 [--name NAME]``
@@ -275,8 +275,8 @@ def main() -> None:
     ap.add_argument("--name", default="lazy_restore")
     ap.add_argument("--warm", action="store_true", help="leave the image in the page cache")
     ap.add_argument("--repeated", type=float, default=0.0,
-                    help="the part of the data (0-1) that is one byte over and over, as in a GPU "
-                    "process's host buffers: it is cut into the smallest chunks")  # fmt: skip
+                    help="the part of the data (0-1) that is one byte over and over, like the "
+                    "zero-filled buffers of a GPU process: it is cut into the smallest chunks")  # fmt: skip
     args = ap.parse_args()
     WARM, REPEATED = args.warm, args.repeated
     root = Path(args.dir or tempfile.mkdtemp(prefix="gpusnap-bench-lazy-", dir="/var/tmp"))
