@@ -3,12 +3,12 @@ open, a cell submitted without waiting for it."""
 
 from __future__ import annotations
 
-import json
 import uuid
-from datetime import datetime, timezone
 
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
+
+from .kernel_ws import execute_request
 
 
 async def open_tab(hub, user: str, kernel_id: str):
@@ -23,28 +23,4 @@ async def open_tab(hub, user: str, kernel_id: str):
 
 async def send_execute(ws, code: str) -> None:
     """Submit a cell without waiting for it (a long silent cell)."""
-    session = uuid.uuid4().hex
-    ws.write_message(
-        json.dumps(
-            {
-                "header": {
-                    "msg_id": uuid.uuid4().hex,
-                    "username": "",
-                    "session": session,
-                    "msg_type": "execute_request",
-                    "version": "5.3",
-                    "date": datetime.now(timezone.utc).isoformat(),
-                },
-                "parent_header": {},
-                "metadata": {},
-                "channel": "shell",
-                "content": {
-                    "code": code,
-                    "silent": False,
-                    "store_history": True,
-                    "user_expressions": {},
-                    "allow_stdin": False,
-                },
-            }
-        )
-    )
+    ws.write_message(execute_request(code)[1])

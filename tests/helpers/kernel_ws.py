@@ -12,6 +12,37 @@ from tornado.httpclient import AsyncHTTPClient, HTTPRequest
 from tornado.websocket import websocket_connect
 
 
+def execute_request(
+    code: str, *, session: str = "", username: str = "", store_history: bool = True
+) -> tuple[str, str]:
+    """A Jupyter ``execute_request`` for ``code`` on the shell channel: (its msg_id, the
+    message as JSON text, as a kernel websocket takes it)."""
+    msg_id = uuid.uuid4().hex
+    message = {
+        "header": {
+            "msg_id": msg_id,
+            "username": username,
+            "session": session or uuid.uuid4().hex,
+            "msg_type": "execute_request",
+            "version": "5.3",
+            "date": datetime.now(timezone.utc).isoformat(),
+        },
+        "parent_header": {},
+        "metadata": {},
+        "channel": "shell",
+        "content": {
+            "code": code,
+            "silent": False,
+            "store_history": store_history,
+            "user_expressions": {},
+            "allow_stdin": False,
+            "stop_on_error": True,
+        },
+        "buffers": [],
+    }
+    return msg_id, json.dumps(message)
+
+
 async def new_kernel(base: str, token: str) -> str:
     resp = await AsyncHTTPClient().fetch(
         HTTPRequest(
@@ -30,31 +61,8 @@ async def execute(
     """Run ``code``; return (output text, seconds from sending to the first output)."""
     ws_url = base.replace("http://", "ws://", 1) + f"api/kernels/{kernel}/channels"
     conn = await websocket_connect(HTTPRequest(ws_url, headers={"Authorization": f"token {token}"}))
-    msg_id = uuid.uuid4().hex
-    conn.write_message(
-        json.dumps(
-            {
-                "header": {
-                    "msg_id": msg_id,
-                    "username": "",
-                    "session": uuid.uuid4().hex,
-                    "msg_type": "execute_request",
-                    "version": "5.3",
-                    "date": datetime.now(timezone.utc).isoformat(),
-                },
-                "parent_header": {},
-                "metadata": {},
-                "channel": "shell",
-                "content": {
-                    "code": code,
-                    "silent": False,
-                    "store_history": False,
-                    "user_expressions": {},
-                    "allow_stdin": False,
-                },
-            }
-        )
-    )
+    msg_id, message = execute_request(code, store_history=False)
+    conn.write_message(message)
     sent = time.perf_counter()
     first = None
     out = []

@@ -30,7 +30,6 @@ import signal
 import sys
 import time
 import uuid
-from datetime import datetime, timezone
 from pathlib import Path
 from urllib.parse import quote
 
@@ -38,6 +37,7 @@ import psutil
 from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
 from tornado.websocket import websocket_connect
 
+from .kernel_ws import execute_request
 from .ports import free_port
 
 ADMIN_SCOPES = [
@@ -538,30 +538,8 @@ c.JupyterHub.load_roles.append({{
             timeout,
         )
         try:
-            msg_id = uuid.uuid4().hex
-            msg = {
-                "header": {
-                    "msg_id": msg_id,
-                    "username": user,
-                    "session": session,
-                    "msg_type": "execute_request",
-                    "version": "5.3",
-                    "date": datetime.now(timezone.utc).isoformat(),
-                },
-                "parent_header": {},
-                "metadata": {},
-                "content": {
-                    "code": code,
-                    "silent": False,
-                    "store_history": True,
-                    "user_expressions": {},
-                    "allow_stdin": False,
-                    "stop_on_error": True,
-                },
-                "channel": "shell",
-                "buffers": [],
-            }
-            await conn.write_message(json.dumps(msg))
+            msg_id, message = execute_request(code, session=session, username=user)
+            await conn.write_message(message)
             out: list[str] = []
             deadline = time.monotonic() + timeout
             while True:
