@@ -76,15 +76,16 @@ class _Segmented:
             busy.wait()
         try:
             data = self._load(i)
-        finally:
+        except BaseException:
             with self._lock:
                 self._loading.pop(i).set()
-        with self._lock:
-            if i not in self._cache:
-                self._cache[i] = data
-                self._cached += len(data)
+            raise
+        with self._lock:  # cached before the waiters wake: none of them loads it again
+            self._cache[i] = data
+            self._cached += len(data)
             while self._cached > self.keep and len(self._cache) > 1:
                 self._cached -= len(self._cache.popitem(last=False)[1])
+            self._loading.pop(i).set()
         return data
 
     def read(self, offset: int, length: int) -> list[memoryview]:
