@@ -114,10 +114,16 @@ class PageServer:
                         self.faults += 1
                     if self.first_at is None:
                         self.first_at = time.monotonic()
-                    in_order = self._in_order(dst, vaddr, nr)
-                    fut = self._cached(dst, vaddr, nr, in_order)
-                    if fut is None:
-                        fut = loop.run_in_executor(self.pool, self._read, dst, vaddr, nr, in_order)
+                    try:
+                        source, ranges = self._locate(dst, vaddr, nr)
+                    except PageDamaged as e:
+                        fut = loop.create_future()  # reported in its turn, by _send
+                        fut.set_exception(e)
+                    else:
+                        in_order = self._in_order(source, ranges)
+                        fut = self._cached(source, ranges, in_order) or loop.run_in_executor(
+                            self.pool, self._read, source, ranges, in_order
+                        )
                     queue.put_nowait((vaddr, dst, fut))
                 elif cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
                     queue.put_nowait(None)
@@ -139,28 +145,23 @@ class PageServer:
             raise PageDamaged(f"lazy-pages asked for {nr} pages at {vaddr:#x}: {e}") from e
         return self.sources[pm.pages_file], ranges
 
-    def _in_order(self, dst: int, vaddr: int, nr: int) -> bool:
+    def _in_order(self, source, ranges: list[tuple[int, int]]) -> bool:
         """Whether this request goes on in its pages file where the last answer or request
         for that file ended: the daemon's transfer goes through a process's memory in address
         order, which is file order, one run of present pages after another (a GPU process's
         memory is thousands of runs; the next run's address is not where the last ended, its
         offset in the file is)."""
-        try:
-            source, ranges = self._locate(dst, vaddr, nr)
-        except PageDamaged:
-            return False  # _read reports it
         off, name = ranges[0][0], source.name
         in_order = off in (self._next.get(name), self._asked.get(name))
         self._asked[name] = ranges[-1][0] + ranges[-1][1]
         return in_order
 
-    def _cached(self, dst: int, vaddr: int, nr: int, in_order: bool) -> asyncio.Future | None:
-        """The answer as a done future, ``(pages, views)``, when at least its first page is
-        checked and in memory already (the longest such prefix); else None."""
-        try:
-            source, ranges = self._locate(dst, vaddr, nr)
-        except PageDamaged:
-            return None  # _read reports it
+    def _cached(
+        self, source, ranges: list[tuple[int, int]], in_order: bool
+    ) -> asyncio.Future | None:
+        """The answer as a done future, ``(pages, views, pages file, offset after them)``,
+        when at least its first page is checked and in memory already (the longest such
+        prefix); else None."""
         parts: list[memoryview] = []
         got = 0
         for off, n in ranges:
@@ -180,12 +181,11 @@ class PageServer:
         fut.set_result((pages, parts, source.name, end))
         return fut
 
-    def _read(self, dst: int, vaddr: int, nr: int, in_order: bool) -> tuple:
+    def _read(self, source, ranges: list[tuple[int, int]], in_order: bool) -> tuple:
         """Read and check the first segment (or chunk) the request needs: ``(pages, views,
-        pages file, offset after them)`` from ``vaddr``, at least one page (two segments when
+        pages file, offset after them)`` from its start, at least one page (two segments when
         one ends inside it)."""
         t = time.perf_counter()
-        source, ranges = self._locate(dst, vaddr, nr)
         off, n = ranges[0]
         want = (source.segment_end(off) - off) // PAGE * PAGE
         want = min(n, max(PAGE, want))
