@@ -4,8 +4,9 @@
 # from /proc/<pid>/limits when prlimit needs the CAP_SYS_RESOURCE that root in a container
 # lacks (without it a server running as a Unix user cannot be checkpointed there), and
 # `criu lazy-pages` asks for more than one page per fault, for larger background
-# transfers, and keeps several of them in flight (a lazy restore's sequential readers and
-# GPU processes' thousands of page runs, docs/lazy-restore.md).
+# transfers, keeps several of them in flight (a lazy restore's sequential readers and
+# GPU processes' thousands of page runs), and lets the page server answer a page fault
+# before the background requests asked earlier (docs/lazy-restore.md).
 # Debian bookworm's packaged criu (3.17) fails `criu check` on kernels >= 6.13 and
 # 4.1 cannot dump TCP sockets there; 4.2 works. Idempotent: does nothing when a
 # criu >= 4.2 with the patches is already on PATH.
@@ -18,7 +19,8 @@ PREFIX=${CRIU_PREFIX:-/usr/local}
 patches=$(cd "$(dirname "$0")/criu-patches" && pwd)
 # each patch's own message marks a binary built with it
 markers=('rlimit %d from /proc/%d/limits' '#PF at 0x%llx: asking for %llu bytes, background stays at %lu'
-  'background: %lu pages at 0x%lx, up to %d requests in flight')
+  'background: %lu pages at 0x%lx, up to %d requests in flight'
+  'answer for 0x%lx of %lu taken ahead of %d earlier requests')
 have=$(criu --version 2>/dev/null | awk '/^Version:/{print $2}' || true)
 patched() {
   local m

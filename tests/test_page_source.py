@@ -7,10 +7,18 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from jupyterhub_gpusnap.checkpoint.chunks import ChunkStore
-from jupyterhub_gpusnap.checkpoint.page_server import AHEAD, IOV, PS_IOV_GET, PageServer
+from jupyterhub_gpusnap.checkpoint.page_server import (
+    AHEAD,
+    IOV,
+    PS_CMD_BITS,
+    PS_GET_URGENT,
+    PS_IOV_GET,
+    PageServer,
+)
 from jupyterhub_gpusnap.checkpoint.page_source import ChunkPages, RawPages
 from jupyterhub_gpusnap.checkpoint.page_sums import load_sums, write_sums
 from jupyterhub_gpusnap.checkpoint.pagemap import PAGE, Pagemap, Run
@@ -78,3 +86,45 @@ async def test_the_transfer_reads_ahead_across_runs_of_pages(tmp_path):
     server.close()
     await asyncio.gather(serving, return_exceptions=True)
     source.close()
+
+
+async def test_a_fault_is_answered_before_background_requests_asked_before_it(tmp_path):
+    # The lazy-pages daemon keeps four background requests per process in flight; a page
+    # fault asked after them waited for all four answers (and its read queued behind the
+    # read-ahead in the pool) while the kernel it belongs to could not answer. A request
+    # flagged PS_GET_URGENT is read on the server's own threads and answered first; the
+    # background answers follow in request order.
+    pool = ThreadPoolExecutor(1)
+    image = tmp_path / "pages-1.img"
+    image.write_bytes(os.urandom(1 << 20) * 8)
+    write_sums(tmp_path, [image.name], pool, expected=None)
+    source = RawPages(image, load_sums(tmp_path, image.name, image.stat().st_size), pool)
+    runs = [Run(0x10000000, 8 << 8, 0, 0)]  # 8 MiB of pages
+    server = PageServer([Pagemap("pagemap-7.img", 1, runs, pid=7)], {image.name: source}, pool)
+    ours, theirs = socket.socketpair()
+    serving = asyncio.ensure_future(server.serve(ours))
+    reader, writer = await asyncio.open_connection(sock=theirs)
+    busy = threading.Event()
+    pool.submit(busy.wait)  # the pool is reading ahead: background reads wait their turn
+    background = [0x10000000, 0x10000000 + (2 << 20)]
+    fault = 0x10000000 + (6 << 20)
+    for vaddr in background:
+        writer.write(IOV.pack(PS_IOV_GET, 16, vaddr, 7))
+    writer.write(IOV.pack(PS_IOV_GET | PS_GET_URGENT << PS_CMD_BITS, 16, fault, 7))
+    try:
+        head = await asyncio.wait_for(reader.readexactly(IOV.size), 10)
+        _, nr, vaddr, dst = IOV.unpack(head)
+        assert (vaddr, dst, nr) == (fault, 7, 16), "the fault waited for the background answers"
+        assert await reader.readexactly(16 * PAGE) == image.read_bytes()[6 << 20 :][: 16 * PAGE]
+    finally:
+        busy.set()
+    for want in background:  # then the background, in request order
+        _, nr, vaddr, _ = IOV.unpack(await reader.readexactly(IOV.size))
+        assert (vaddr, nr) == (want, 16)
+        await reader.readexactly(nr * PAGE)
+    assert (server.requests, server.faults) == (3, 1)
+    writer.close()
+    server.close()
+    await asyncio.gather(serving, return_exceptions=True)
+    source.close()
+    pool.shutdown()

@@ -13,22 +13,29 @@ page_server_iov {u32 cmd; u64 nr_pages; u64 vaddr; u64 dst_id}`` (32 bytes, nati
 alignment, little-endian here). ``PS_IOV_GET`` asks for ``nr_pages`` pages from
 ``vaddr`` of process ``dst_id`` (its pid as the image names it); the answer is the same
 struct with ``cmd = PS_IOV_ADD_F | PE_PRESENT << 16`` (``nr_pages`` may be fewer than
-asked), then the pages. The daemon matches answers to requests in order (it keeps a
-FIFO), so answers go out in request order. A page fault asks for one page; the
-background transfer asks, one request per process at a time, for the next pages in
-address order, from 64 KiB up to 4 MiB per request. When done, the daemon sends
-``PS_IOV_FORCE_CLOSE`` (``PS_IOV_CLOSE`` on its own TCP connection) and waits for an
-``int32`` status (0).
+asked), then the pages. A page fault asks for 64 KiB to 8 MiB from the faulting page; the
+background transfer asks, up to four requests per process at a time, for the next pages in
+address order, from 64 KiB up to 16 MiB per request (our CRIU patches 0002 and 0003). When
+done, the daemon sends ``PS_IOV_FORCE_CLOSE`` (``PS_IOV_CLOSE`` on its own TCP connection)
+and waits for an ``int32`` status (0).
+
+Faults first: upstream the daemon matches answers to requests in order, so a fault waited
+behind every background answer asked for before it. With our CRIU patch 0004 the daemon
+flags a fault's request ``PS_GET_URGENT`` (in the command's flag bits) and matches each
+answer to its request by the ``(dst_id, vaddr)`` it carries, so this server answers flagged
+requests before the background ones still waiting, reads their pages on threads of their
+own (not behind the read-ahead), and unflagged requests in request order, as upstream
+expects.
 
 An answer holds what is checked and in memory already, at least the first page: the
 whole request when it is, else the checked prefix, else the first segment (or chunk) read
 and checked now. The daemon takes fewer pages than it asked for and asks again for the
 rest (``criu/page-xfer.c``: "page-server may return less pages than we asked for";
-``uffd_io_complete`` puts the rest back). Answers go back in request order, so this keeps
-a page fault from waiting behind a large background request that is still being read.
-Only a request that goes on in its pages file where the last answer or request ended
-(the background transfer, or a reader going through memory in order) starts checking the
-next ``ahead`` bytes in the pool; a lone fault does not.
+``uffd_io_complete`` puts the rest back). So no answer waits for a large background
+request that is still being read. Only a request that goes on in its pages file where the
+last answer or request of its kind ended (the background transfer, or faults of a reader
+going through memory in order) starts checking the next ``ahead`` bytes in the pool; a
+lone fault does not.
 
 On a failed check the server answers nothing more: the faulting thread stays blocked in
 the kernel, never running on with memory that is not its own, until :mod:`.lazy` has
@@ -40,8 +47,9 @@ from __future__ import annotations
 import asyncio
 import struct
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 
 from .page_source import PageDamaged
 from .pagemap import PAGE, Pagemap, PagemapError
@@ -53,14 +61,17 @@ PS_IOV_CLOSE = 0x1023
 PS_IOV_FORCE_CLOSE = 0x1024
 PS_CMD_BITS = 16
 PE_PRESENT = 1 << 2
+PS_GET_URGENT = 0x1  # flag of a request a page fault waits for (CRIU patch 0004)
 AHEAD = 48 << 20  # bytes checked ahead of a background transfer (3 of its largest requests)
+FAULT_THREADS = 2  # threads reading what faults ask for, beside the pool's read-ahead
 
 
 class PageServer:
     """Serves the pages of ``pagemaps`` from ``sources`` ({pages file name: source}).
 
-    ``pool`` runs the blocking reads and checks. ``on_failure(error)`` is called once, in
-    the event loop, when a request cannot be answered with checked pages.
+    ``pool`` runs the blocking reads and checks (and the read-ahead); what a page fault
+    asks for is read on threads of this server's own. ``on_failure(error)`` is called
+    once, in the event loop, when a request cannot be answered with checked pages.
     """
 
     def __init__(
@@ -80,23 +91,27 @@ class PageServer:
         self.failure: Exception | None = None
         self.closed = asyncio.Event()  # the daemon said it is done
         self.requests = 0
-        self.faults = 0  # one-page requests: faults (and one-page background ranges)
+        self.faults = 0  # requests a page fault waits for (flagged PS_GET_URGENT)
         self.bytes = 0
         self.read_s = 0.0  # thread time spent reading and checking
         self.first_at: float | None = None
         self.last_at: float | None = None
         self._writer: asyncio.StreamWriter | None = None
-        # pages file -> the offset after its last answer, and after its last request
-        self._next: dict[str, int] = {}
-        self._asked: dict[str, int] = {}
+        self._fault_pool = ThreadPoolExecutor(FAULT_THREADS, thread_name_prefix="gpusnap-fault")
+        # answers to send: faults' first, then the rest in request order
+        self._faults: deque = deque()
+        self._answers: deque = deque()
+        self._wake = asyncio.Event()
+        # (pages file, fault?) -> the offset after its last answer, and after its last request
+        self._next: dict[tuple[str, bool], int] = {}
+        self._asked: dict[tuple[str, bool], int] = {}
 
     # ------------------------------------------------------------ serving
     async def serve(self, sock) -> None:
         """Answer the daemon on ``sock`` (a connected stream socket) until it hangs up."""
         reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 16)
         self._writer = writer
-        queue: asyncio.Queue = asyncio.Queue()
-        sender = asyncio.ensure_future(self._send(queue, writer))
+        sender = asyncio.ensure_future(self._send(writer))
         loop = asyncio.get_running_loop()
         try:
             while True:
@@ -105,13 +120,13 @@ class PageServer:
                 except (asyncio.IncompleteReadError, ConnectionError):
                     break
                 cmd, nr, vaddr, dst = IOV.unpack(head)
+                fault = bool(cmd >> PS_CMD_BITS & PS_GET_URGENT)
                 cmd &= (1 << PS_CMD_BITS) - 1
                 if self.failure is not None:
                     continue  # answer nothing more
                 if cmd == PS_IOV_GET:
                     self.requests += 1
-                    if nr == 1:
-                        self.faults += 1
+                    self.faults += fault
                     if self.first_at is None:
                         self.first_at = time.monotonic()
                     try:
@@ -120,20 +135,25 @@ class PageServer:
                         fut = loop.create_future()  # reported in its turn, by _send
                         fut.set_exception(e)
                     else:
-                        in_order = self._in_order(source, ranges)
+                        in_order = self._in_order(source, ranges, fault)
                         fut = self._cached(source, ranges, in_order) or loop.run_in_executor(
-                            self.pool, self._read, source, ranges, in_order
-                        )
-                    queue.put_nowait((vaddr, dst, fut))
+                            self._fault_pool if fault else self.pool,
+                            self._read, source, ranges, in_order,
+                        )  # fmt: skip
+                    self._queue((vaddr, dst, fut, fault), fault)
                 elif cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
-                    queue.put_nowait(None)
+                    self._queue(None)
                 else:
                     self._fail(
                         ValueError(f"unexpected page server command {cmd:#x} from lazy-pages")
                     )
         finally:
-            queue.put_nowait(StopAsyncIteration)
+            self._queue(StopAsyncIteration)
             await sender
+
+    def _queue(self, item, fault: bool = False) -> None:
+        (self._faults if fault else self._answers).append(item)
+        self._wake.set()
 
     def _locate(self, dst: int, vaddr: int, nr: int):
         pm = self.maps.get(dst)
@@ -145,15 +165,16 @@ class PageServer:
             raise PageDamaged(f"lazy-pages asked for {nr} pages at {vaddr:#x}: {e}") from e
         return self.sources[pm.pages_file], ranges
 
-    def _in_order(self, source, ranges: list[tuple[int, int]]) -> bool:
+    def _in_order(self, source, ranges: list[tuple[int, int]], fault: bool) -> bool:
         """Whether this request goes on in its pages file where the last answer or request
-        for that file ended: the daemon's transfer goes through a process's memory in address
-        order, which is file order, one run of present pages after another (a GPU process's
-        memory is thousands of runs; the next run's address is not where the last ended, its
-        offset in the file is)."""
-        off, name = ranges[0][0], source.name
-        in_order = off in (self._next.get(name), self._asked.get(name))
-        self._asked[name] = ranges[-1][0] + ranges[-1][1]
+        of its kind (fault or background) for that file ended: the daemon's transfer goes
+        through a process's memory in address order, which is file order, one run of present
+        pages after another (a GPU process's memory is thousands of runs; the next run's
+        address is not where the last ended, its offset in the file is); so do the faults of
+        a reader going through memory in order."""
+        off, key = ranges[0][0], (source.name, fault)
+        in_order = off in (self._next.get(key), self._asked.get(key))
+        self._asked[key] = ranges[-1][0] + ranges[-1][1]
         return in_order
 
     def _cached(
@@ -195,9 +216,13 @@ class PageServer:
         self.read_s += time.perf_counter() - t
         return want // PAGE, parts, source.name, off + want
 
-    async def _send(self, queue: asyncio.Queue, writer: asyncio.StreamWriter) -> None:
+    async def _send(self, writer: asyncio.StreamWriter) -> None:
         while True:
-            item = await queue.get()
+            if not (self._faults or self._answers):
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            item = (self._faults or self._answers).popleft()
             if item is StopAsyncIteration:
                 return
             if self.failure is not None:
@@ -207,13 +232,13 @@ class PageServer:
                 await writer.drain()
                 self.closed.set()
                 continue
-            vaddr, dst, fut = item
+            vaddr, dst, fut, fault = item
             try:
                 nr, data, name, end = await fut
             except Exception as e:
                 self._fail(e)
                 continue
-            self._next[name] = end
+            self._next[name, fault] = end
             writer.write(IOV.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, nr, vaddr, dst))
             writer.writelines(data)
             try:
@@ -233,6 +258,7 @@ class PageServer:
         """Drop the connection (only once the tree it served is gone)."""
         if self._writer is not None:
             self._writer.close()
+        self._fault_pool.shutdown(wait=False)
 
 
 def _trim(views: list[memoryview], length: int) -> list[memoryview]:
