@@ -198,6 +198,13 @@ async def test_the_tree_answers_before_its_memory_is_back_and_the_memory_is_inta
     stats = await lr.done
     assert stats["served_bytes"] == lr.lazy_bytes and lr.daemon.returncode == 0
     assert stats["fault_requests"] > 0 and stats["requests"] > stats["fault_requests"]
+    # every request the daemon made for a fault, and for the pages around one (our CRIU
+    # patches 0004, 0005), came flagged urgent: the page server answered it first
+    log = (staging / lazy.LAZY_LOG).read_text()
+    asked = len(re.findall(r"#PF at 0x[0-9a-f]+: asking for", log))
+    around = len(re.findall(r"fault-around: \d+ pages", log))
+    assert asked > 0 and around > 0, "the daemon asked for no pages around its faults"
+    assert stats["fault_requests"] == asked + around
     # nothing of the image was unpacked or copied but what CRIU restores eagerly
     staged = sum(p.stat().st_blocks * 512 for p in staging.glob("pages-*.img"))
     assert staged < 16 << 20, f"{staged} bytes of pages staged"

@@ -15,6 +15,7 @@ from jupyterhub_gpusnap.checkpoint.page_server import (
     AHEAD,
     IOV,
     PS_CMD_BITS,
+    PS_GET_AROUND,
     PS_GET_URGENT,
     PS_IOV_GET,
     PageServer,
@@ -92,8 +93,9 @@ async def test_a_fault_is_answered_before_background_requests_asked_before_it(tm
     # The lazy-pages daemon keeps four background requests per process in flight; a page
     # fault asked after them waited for all four answers (and its read queued behind the
     # read-ahead in the pool) while the kernel it belongs to could not answer. A request
-    # flagged PS_GET_URGENT is read on the server's own threads and answered first; the
-    # background answers follow in request order.
+    # flagged PS_GET_URGENT (or PS_GET_AROUND: the pages around a fault) is read on the
+    # server's own threads and answered first; the background answers follow in request
+    # order.
     pool = ThreadPoolExecutor(1)
     image = tmp_path / "pages-1.img"
     image.write_bytes(os.urandom(1 << 20) * 8)
@@ -107,22 +109,57 @@ async def test_a_fault_is_answered_before_background_requests_asked_before_it(tm
     busy = threading.Event()
     pool.submit(busy.wait)  # the pool is reading ahead: background reads wait their turn
     background = [0x10000000, 0x10000000 + (2 << 20)]
-    fault = 0x10000000 + (6 << 20)
+    fault, around = 0x10000000 + (6 << 20), 0x10000000 + (7 << 20)
     for vaddr in background:
         writer.write(IOV.pack(PS_IOV_GET, 16, vaddr, 7))
     writer.write(IOV.pack(PS_IOV_GET | PS_GET_URGENT << PS_CMD_BITS, 16, fault, 7))
+    writer.write(IOV.pack(PS_IOV_GET | PS_GET_AROUND << PS_CMD_BITS, 16, around, 7))
+    first = {}
     try:
-        head = await asyncio.wait_for(reader.readexactly(IOV.size), 10)
-        _, nr, vaddr, dst = IOV.unpack(head)
-        assert (vaddr, dst, nr) == (fault, 7, 16), "the fault waited for the background answers"
-        assert await reader.readexactly(16 * PAGE) == image.read_bytes()[6 << 20 :][: 16 * PAGE]
+        for _ in range(2):
+            head = await asyncio.wait_for(reader.readexactly(IOV.size), 10)
+            _, nr, vaddr, dst = IOV.unpack(head)
+            first[vaddr] = (dst, nr, await reader.readexactly(nr * PAGE))
     finally:
         busy.set()
+    data = image.read_bytes()
+    assert first == {
+        fault: (7, 16, data[6 << 20 :][: 16 * PAGE]),
+        around: (7, 16, data[7 << 20 :][: 16 * PAGE]),
+    }, "the fault (and the pages around it) waited for the background answers"
     for want in background:  # then the background, in request order
         _, nr, vaddr, _ = IOV.unpack(await reader.readexactly(IOV.size))
         assert (vaddr, nr) == (want, 16)
         await reader.readexactly(nr * PAGE)
-    assert (server.requests, server.faults) == (3, 1)
+    assert (server.requests, server.faults) == (4, 2)
+    writer.close()
+    server.close()
+    await asyncio.gather(serving, return_exceptions=True)
+    source.close()
+    pool.shutdown()
+
+
+async def test_every_answer_is_the_whole_request(tmp_path):
+    # CRIU takes fewer pages than it asked for and asks again for the rest later, but a
+    # thread that faulted on a page of the request in flight is not woken by the later one:
+    # answered with only what was checked already, a kernel's thread waited for the
+    # background transfer to reach its page (8 s at 8 GiB).
+    pool = ThreadPoolExecutor(2)
+    image = tmp_path / "pages-1.img"
+    image.write_bytes(os.urandom(1 << 20) * 4)
+    write_sums(tmp_path, [image.name], pool, expected=None)
+    source = RawPages(image, load_sums(tmp_path, image.name, image.stat().st_size), pool)
+    source.read(0, PAGE)  # the first segment is checked and in memory, the rest is not
+    runs = [Run(0x10000000, 4 << 8, 0, 0)]
+    server = PageServer([Pagemap("pagemap-7.img", 1, runs, pid=7)], {image.name: source}, pool)
+    ours, theirs = socket.socketpair()
+    serving = asyncio.ensure_future(server.serve(ours))
+    reader, writer = await asyncio.open_connection(sock=theirs)
+    for flags in (0, PS_GET_URGENT):
+        writer.write(IOV.pack(PS_IOV_GET | flags << PS_CMD_BITS, 3 << 8, 0x10000000, 7))
+        _, nr, vaddr, _ = IOV.unpack(await asyncio.wait_for(reader.readexactly(IOV.size), 10))
+        assert (vaddr, nr) == (0x10000000, 3 << 8), f"answered {nr} of {3 << 8} pages"
+        assert await reader.readexactly(nr * PAGE) == image.read_bytes()[: 3 << 20]
     writer.close()
     server.close()
     await asyncio.gather(serving, return_exceptions=True)

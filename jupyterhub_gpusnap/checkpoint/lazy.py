@@ -55,7 +55,10 @@ from .page_sums import SumsError, load_sums
 from .pagemap import PagemapError, eager_ranges, lazy_bytes, read_pagemaps
 
 LAZY_LOG = "lazy-pages.log"
-SOCKET_BYTES = 8 << 20  # send buffer of the page server's socket (capped by wmem_max)
+# Send buffer of the page server's socket (capped by wmem_max): room for one answer of the
+# background transfer (up to 4 MiB), and no more, since an answer to a page fault waits
+# behind what is in it.
+SOCKET_BYTES = 1 << 20
 
 
 #: in the service's registry (/services/<name>/metrics): the service writes the sums
@@ -166,11 +169,15 @@ def stage(image: FilesImage | ChunksImage, dest: Path, pool: Executor):
         for name in image.names():
             if is_pages_file(name):
                 sources[name] = image.source(name, pool)
-        for name, ranges in eager_ranges(pagemaps).items():
+        eager = eager_ranges(pagemaps)
+        for name, ranges in eager.items():
             if name not in sources:
                 raise CheckpointError(
                     f"image is damaged: {name}, which a pagemap names, is missing"
                 )
+            for off, n in ranges:  # read and check them in the pool, all at once
+                sources[name].ahead(off, n)
+        for name, ranges in eager.items():
             fd = os.open(dest / name, os.O_WRONLY)
             try:
                 for off, n in ranges:
@@ -270,7 +277,7 @@ async def restore(
     failed = asyncio.Event()
     server = PageServer(pagemaps, sources, pool, on_failure=lambda e: failed.set())
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    with contextlib.suppress(OSError):  # room for a whole 4 MiB answer: fewer wake-ups
+    with contextlib.suppress(OSError):
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BYTES)
     serving = asyncio.ensure_future(server.serve(ours))
     daemon = None

@@ -12,30 +12,29 @@ daemon is given with ``--page-server --ps-socket FD``: each request is a ``struc
 page_server_iov {u32 cmd; u64 nr_pages; u64 vaddr; u64 dst_id}`` (32 bytes, native
 alignment, little-endian here). ``PS_IOV_GET`` asks for ``nr_pages`` pages from
 ``vaddr`` of process ``dst_id`` (its pid as the image names it); the answer is the same
-struct with ``cmd = PS_IOV_ADD_F | PE_PRESENT << 16`` (``nr_pages`` may be fewer than
-asked), then the pages. A page fault asks for 64 KiB to 8 MiB from the faulting page; the
-background transfer asks, up to four requests per process at a time, for the next pages in
-address order, from 64 KiB up to 16 MiB per request (our CRIU patches 0002 and 0003). When
-done, the daemon sends ``PS_IOV_FORCE_CLOSE`` (``PS_IOV_CLOSE`` on its own TCP connection)
-and waits for an ``int32`` status (0).
+struct with ``cmd = PS_IOV_ADD_F | PE_PRESENT << 16``, then the pages. A page fault asks
+for 64 KiB to 8 MiB from the faulting page, and for the runs of pages after it up to 4 MiB
+away (fault-around); the background transfer asks, up to four requests per process at a
+time, for the next pages in address order, from 64 KiB up to 16 MiB per request (our CRIU
+patches 0002, 0003, 0005). When done, the daemon sends ``PS_IOV_FORCE_CLOSE``
+(``PS_IOV_CLOSE`` on its own TCP connection) and waits for an ``int32`` status (0).
 
 Faults first: upstream the daemon matches answers to requests in order, so a fault waited
 behind every background answer asked for before it. With our CRIU patch 0004 the daemon
-flags a fault's request ``PS_GET_URGENT`` (in the command's flag bits) and matches each
-answer to its request by the ``(dst_id, vaddr)`` it carries, so this server answers flagged
-requests before the background ones still waiting, reads their pages on threads of their
-own (not behind the read-ahead), and unflagged requests in request order, as upstream
-expects.
+flags a fault's request ``PS_GET_URGENT`` (0005: fault-around ``PS_GET_AROUND``, in the
+command's flag bits) and matches each answer to its request by the ``(dst_id, vaddr)`` it
+carries. This server reads flagged requests on threads of their own (not behind the
+read-ahead) and sends whichever answer is read first, faults before fault-around before the
+rest; unflagged requests are answered in request order, as upstream expects, and none
+waits for one still being read.
 
-An answer holds what is checked and in memory already, at least the first page: the
-whole request when it is, else the checked prefix, else the first segment (or chunk) read
-and checked now. The daemon takes fewer pages than it asked for and asks again for the
-rest (``criu/page-xfer.c``: "page-server may return less pages than we asked for";
-``uffd_io_complete`` puts the rest back). So no answer waits for a large background
-request that is still being read. Only a request that goes on in its pages file where the
-last answer or request of its kind ended (the background transfer, or faults of a reader
-going through memory in order) starts checking the next ``ahead`` bytes in the pool; a
-lone fault does not.
+Every answer is the whole request. (CRIU takes fewer pages than it asked for, puts the rest
+back and asks again later; but a thread that faulted on a page of a request in flight waits
+for that request and is not woken by the later one: with partial answers a kernel's thread
+waited for the background transfer to reach its page, 8 s at 8 GiB.) A request that goes
+on in its pages file where the last answer or request of its kind ended (the background
+transfer, or faults of a reader going through memory in order) starts checking the next
+``ahead`` bytes in the pool; a lone fault does not.
 
 On a failed check the server answers nothing more: the faulting thread stays blocked in
 the kernel, never running on with memory that is not its own, until :mod:`.lazy` has
@@ -62,16 +61,28 @@ PS_IOV_FORCE_CLOSE = 0x1024
 PS_CMD_BITS = 16
 PE_PRESENT = 1 << 2
 PS_GET_URGENT = 0x1  # flag of a request a page fault waits for (CRIU patch 0004)
+PS_GET_AROUND = 0x2  # flag of a request for the pages around a fault (CRIU patch 0005)
 AHEAD = 48 << 20  # bytes checked ahead of a background transfer (3 of its largest requests)
-FAULT_THREADS = 2  # threads reading what faults ask for, beside the pool's read-ahead
+FAULT_THREADS = 2  # threads reading what faults ask for; as many for the pages around them
+
+#: kinds of request, in the order they are answered
+FAULT, AROUND, BACKGROUND = 0, 1, 2
+CLOSE = object()  # the daemon is done: answer its status (after every answer before it)
+
+
+def _kind(flags: int) -> int:
+    if flags & PS_GET_URGENT:
+        return FAULT
+    return AROUND if flags & PS_GET_AROUND else BACKGROUND
 
 
 class PageServer:
     """Serves the pages of ``pagemaps`` from ``sources`` ({pages file name: source}).
 
-    ``pool`` runs the blocking reads and checks (and the read-ahead); what a page fault
-    asks for is read on threads of this server's own. ``on_failure(error)`` is called
-    once, in the event loop, when a request cannot be answered with checked pages.
+    ``pool`` runs the blocking reads and checks of the background transfer (and the
+    read-ahead); what a fault asks for, and the pages around it, are read on threads of
+    this server's own. ``on_failure(error)`` is called once, in the event loop, when a
+    request cannot be answered with checked pages.
     """
 
     def __init__(
@@ -91,20 +102,28 @@ class PageServer:
         self.failure: Exception | None = None
         self.closed = asyncio.Event()  # the daemon said it is done
         self.requests = 0
-        self.faults = 0  # requests a page fault waits for (flagged PS_GET_URGENT)
+        self.asked = [0, 0, 0]  # requests by kind: FAULT, AROUND, BACKGROUND
         self.bytes = 0
         self.read_s = 0.0  # thread time spent reading and checking
         self.first_at: float | None = None
         self.last_at: float | None = None
         self._writer: asyncio.StreamWriter | None = None
-        self._fault_pool = ThreadPoolExecutor(FAULT_THREADS, thread_name_prefix="gpusnap-fault")
-        # answers to send: faults' first, then the rest in request order
-        self._faults: deque = deque()
-        self._answers: deque = deque()
+        self._pools = [
+            ThreadPoolExecutor(FAULT_THREADS, thread_name_prefix="gpusnap-fault"),
+            ThreadPoolExecutor(FAULT_THREADS, thread_name_prefix="gpusnap-around"),
+            pool,
+        ]
+        # answers to send, by kind (the daemon's status after the background ones)
+        self._queues: list[deque] = [deque(), deque(), deque()]
         self._wake = asyncio.Event()
-        # (pages file, fault?) -> the offset after its last answer, and after its last request
-        self._next: dict[tuple[str, bool], int] = {}
-        self._asked: dict[tuple[str, bool], int] = {}
+        # (pages file, kind) -> the offset after its last answer, and after its last request
+        self._next: dict[tuple[str, int], int] = {}
+        self._asked: dict[tuple[str, int], int] = {}
+
+    @property
+    def faults(self) -> int:
+        """Requests made for page faults: a fault's own, and those for the pages around it."""
+        return self.asked[FAULT] + self.asked[AROUND]
 
     # ------------------------------------------------------------ serving
     async def serve(self, sock) -> None:
@@ -120,13 +139,13 @@ class PageServer:
                 except (asyncio.IncompleteReadError, ConnectionError):
                     break
                 cmd, nr, vaddr, dst = IOV.unpack(head)
-                fault = bool(cmd >> PS_CMD_BITS & PS_GET_URGENT)
+                kind = _kind(cmd >> PS_CMD_BITS)
                 cmd &= (1 << PS_CMD_BITS) - 1
                 if self.failure is not None:
                     continue  # answer nothing more
                 if cmd == PS_IOV_GET:
                     self.requests += 1
-                    self.faults += fault
+                    self.asked[kind] += 1
                     if self.first_at is None:
                         self.first_at = time.monotonic()
                     try:
@@ -135,14 +154,13 @@ class PageServer:
                         fut = loop.create_future()  # reported in its turn, by _send
                         fut.set_exception(e)
                     else:
-                        in_order = self._in_order(source, ranges, fault)
+                        in_order = self._in_order(source, ranges, kind)
                         fut = self._cached(source, ranges, in_order) or loop.run_in_executor(
-                            self._fault_pool if fault else self.pool,
-                            self._read, source, ranges, in_order,
-                        )  # fmt: skip
-                    self._queue((vaddr, dst, fut, fault), fault)
+                            self._pools[kind], self._read, source, ranges, in_order
+                        )
+                    self._queue((vaddr, dst, fut, kind), kind)
                 elif cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
-                    self._queue(None)
+                    self._queue(CLOSE)
                 else:
                     self._fail(
                         ValueError(f"unexpected page server command {cmd:#x} from lazy-pages")
@@ -151,8 +169,8 @@ class PageServer:
             self._queue(StopAsyncIteration)
             await sender
 
-    def _queue(self, item, fault: bool = False) -> None:
-        (self._faults if fault else self._answers).append(item)
+    def _queue(self, item, kind: int = BACKGROUND) -> None:
+        self._queues[kind].append(item)
         self._wake.set()
 
     def _locate(self, dst: int, vaddr: int, nr: int):
@@ -165,14 +183,14 @@ class PageServer:
             raise PageDamaged(f"lazy-pages asked for {nr} pages at {vaddr:#x}: {e}") from e
         return self.sources[pm.pages_file], ranges
 
-    def _in_order(self, source, ranges: list[tuple[int, int]], fault: bool) -> bool:
+    def _in_order(self, source, ranges: list[tuple[int, int]], kind: int) -> bool:
         """Whether this request goes on in its pages file where the last answer or request
-        of its kind (fault or background) for that file ended: the daemon's transfer goes
-        through a process's memory in address order, which is file order, one run of present
-        pages after another (a GPU process's memory is thousands of runs; the next run's
-        address is not where the last ended, its offset in the file is); so do the faults of
-        a reader going through memory in order."""
-        off, key = ranges[0][0], (source.name, fault)
+        of its kind for that file ended: the daemon's transfer goes through a process's
+        memory in address order, which is file order, one run of present pages after
+        another (a GPU process's memory is thousands of runs; the next run's address is not
+        where the last ended, its offset in the file is); so do the faults of a reader going
+        through memory in order."""
+        off, key = ranges[0][0], (source.name, kind)
         in_order = off in (self._next.get(key), self._asked.get(key))
         self._asked[key] = ranges[-1][0] + ranges[-1][1]
         return in_order
@@ -181,64 +199,80 @@ class PageServer:
         self, source, ranges: list[tuple[int, int]], in_order: bool
     ) -> asyncio.Future | None:
         """The answer as a done future, ``(pages, views, pages file, offset after them)``,
-        when at least its first page is checked and in memory already (the longest such
-        prefix); else None."""
+        when all of it is checked and in memory already; else None."""
         parts: list[memoryview] = []
-        got = 0
         for off, n in ranges:
             views, m = source.prefix(off, n)
-            parts += views
-            got += m
             if m < n:
-                break
-        pages = got // PAGE
-        if not pages:
-            return None
-        parts = _trim(parts, pages * PAGE)
-        end = _file_offset(ranges, pages * PAGE)
+                return None
+            parts += views
+        end = ranges[-1][0] + ranges[-1][1]
         if in_order and self.ahead:
             source.ahead(end, self.ahead)
         fut = asyncio.get_running_loop().create_future()
-        fut.set_result((pages, parts, source.name, end))
+        fut.set_result((sum(n for _, n in ranges) // PAGE, parts, source.name, end))
         return fut
 
     def _read(self, source, ranges: list[tuple[int, int]], in_order: bool) -> tuple:
-        """Read and check the first segment (or chunk) the request needs: ``(pages, views,
-        pages file, offset after them)`` from its start, at least one page (two segments when
-        one ends inside it)."""
+        """Read and check what the request asks for: ``(pages, views, pages file, offset
+        after them)``."""
         t = time.perf_counter()
-        off, n = ranges[0]
-        want = (source.segment_end(off) - off) // PAGE * PAGE
-        want = min(n, max(PAGE, want))
-        parts = source.read(off, want)
+        end = ranges[-1][0] + ranges[-1][1]
         if in_order and self.ahead:
-            source.ahead(off + want, self.ahead)
+            source.ahead(end, self.ahead)
+        parts = [view for off, n in ranges for view in source.read(off, n)]
         self.read_s += time.perf_counter() - t
-        return want // PAGE, parts, source.name, off + want
+        return sum(n for _, n in ranges) // PAGE, parts, source.name, end
+
+    def _pick(self):
+        """The next answer to send, or None: the first that is read, faults' first, then the
+        pages around them, then the rest in request order (so that the daemon's status goes
+        last, and a daemon without our patches gets its answers in order)."""
+        for q in self._queues[:BACKGROUND]:
+            for i, item in enumerate(q):
+                if item[2].done():
+                    del q[i]
+                    return item
+        q = self._queues[BACKGROUND]
+        if q and (not isinstance(q[0], tuple) or q[0][2].done()):
+            return q.popleft()
+        return None
+
+    async def _waiting(self) -> None:
+        """Until a request comes or an answer waiting to go is read."""
+        self._wake.clear()
+        futs = [item[2] for q in self._queues[:BACKGROUND] for item in q]
+        q = self._queues[BACKGROUND]
+        if q and isinstance(q[0], tuple):
+            futs.append(q[0][2])
+        wake = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait([wake, *futs], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            wake.cancel()
 
     async def _send(self, writer: asyncio.StreamWriter) -> None:
         while True:
-            if not (self._faults or self._answers):
-                self._wake.clear()
-                await self._wake.wait()
+            item = self._pick()
+            if item is None:
+                await self._waiting()
                 continue
-            item = (self._faults or self._answers).popleft()
             if item is StopAsyncIteration:
                 return
             if self.failure is not None:
                 continue
-            if item is None:  # the daemon is done: its status
+            if item is CLOSE:  # the daemon is done: its status
                 writer.write(struct.pack("<i", 0))
                 await writer.drain()
                 self.closed.set()
                 continue
-            vaddr, dst, fut, fault = item
+            vaddr, dst, fut, kind = item
             try:
-                nr, data, name, end = await fut
+                nr, data, name, end = fut.result()
             except Exception as e:
                 self._fail(e)
                 continue
-            self._next[name, fault] = end
+            self._next[name, kind] = end
             writer.write(IOV.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, nr, vaddr, dst))
             writer.writelines(data)
             try:
@@ -258,25 +292,5 @@ class PageServer:
         """Drop the connection (only once the tree it served is gone)."""
         if self._writer is not None:
             self._writer.close()
-        self._fault_pool.shutdown(wait=False)
-
-
-def _trim(views: list[memoryview], length: int) -> list[memoryview]:
-    """The first ``length`` bytes of ``views``."""
-    out = []
-    for v in views:
-        if length <= 0:
-            break
-        out.append(v[:length])
-        length -= len(out[-1])
-    return out
-
-
-def _file_offset(ranges: list[tuple[int, int]], skip: int) -> int:
-    """The pages-file offset ``skip`` bytes into ``ranges``."""
-    for off, n in ranges:
-        if skip < n:
-            return off + skip
-        skip -= n
-    off, n = ranges[-1]
-    return off + n
+        for pool in self._pools[:BACKGROUND]:
+            pool.shutdown(wait=False)
