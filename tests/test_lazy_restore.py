@@ -208,6 +208,7 @@ async def test_the_tree_answers_before_its_memory_is_back_and_the_memory_is_inta
     # nothing of the image was unpacked or copied but what CRIU restores eagerly
     staged = sum(p.stat().st_blocks * 512 for p in staging.glob("pages-*.img"))
     assert staged < 16 << 20, f"{staged} bytes of pages staged"
+    assert 0 < lr.stats["eager_bytes"] <= staged, "the stats say what CRIU restored itself"
     if storage == "chunks":
         assert not list(folder.glob("pages-*.img")), "a chunk-stored checkpoint has no raw pages"
     # the restored server goes on: memory in, daemon gone, still the same memory
@@ -238,6 +239,7 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
     tree.pid = pid
     phases = Manifest.load(folder).extra["restore_phases"]
     assert phases["mode"] == "lazy" and phases["lazy_bytes"] >= 190 << 20
+    assert 0 < phases["lazy_eager_bytes"] < 16 << 20
     assert (await ask(tree.port, "hash"))["now"] == before["digest"]
     task = lazyb.lazy_restores.get(info.id)
     if task is not None:

@@ -341,8 +341,10 @@ async def restore(
         restored=restored, daemon=daemon, server=server, staging=staging,
         lazy_bytes=lazy_bytes(pagemaps), started=t0,
     )  # fmt: skip
+    # what CRIU restored itself: a few MiB, unless a process's memory could not be left lazy
+    eager = sum(n for ranges in eager_ranges(pagemaps).values() for _, n in ranges)
     lazy.stats = {"staged_s": round(staged_s, 3), "running_s": round(time.monotonic() - t0, 3),
-                  "lazy_bytes": lazy.lazy_bytes}  # fmt: skip
+                  "lazy_bytes": lazy.lazy_bytes, "eager_bytes": eager}  # fmt: skip
     lazy.done = asyncio.ensure_future(_watch(lazy, failed, stop_all, poll))
     return lazy
 

@@ -117,7 +117,7 @@ class LazyRestoreMixin:
         restored = lr.restored
         phases["criu_s"] = round(time.monotonic() - t, 3)
         phases.update(lazy_staged_s=lr.stats["staged_s"], lazy_running_s=lr.stats["running_s"],
-                      lazy_bytes=lr.lazy_bytes)  # fmt: skip
+                      lazy_bytes=lr.lazy_bytes, lazy_eager_bytes=lr.stats["eager_bytes"])  # fmt: skip
         self.restored[restored.pid] = restored
         for p, r in list(self.restored.items()):
             if r.reap() is not None:
@@ -147,8 +147,9 @@ class LazyRestoreMixin:
         self.lazy_restores[info.id] = task
         self.log.info(
             "%s: checkpoint %s restored lazily as pid %s on %s:%s (running after %.2fs, "
-            "%.1f MiB of memory to follow%s)",
+            "%.1f MiB of memory to follow, %.1f MiB restored with the tree%s)",
             key, info.id, restored.pid, m.ip, m.port, lr.stats["running_s"], lr.lazy_bytes / 2**20,
+            lr.stats["eager_bytes"] / 2**20,
             f", GPU memory of pids {gpu_pids} restoring behind it" if gpu_pids else "",
         )  # fmt: skip
         return restored.pid, m.ip, m.port
