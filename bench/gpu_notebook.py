@@ -661,6 +661,10 @@ async def gpusnap_run(
     restore_s = (done.extra.get("restore_s") if done else None) or 0.0
     phases = (done.extra.get("restore_phases") if done else None) or {}
     say(f"{tag}: restore ({phases.get('mode', 'eager')}) complete after {full_restore:.2f} s")
+    if LOGS_DIR and phases.get("mode") == "lazy":  # the daemon's log: every fault and request
+        name = f"{gib:g}_{backend.storage}_lazy-pages.log"
+        with contextlib.suppress(OSError):
+            shutil.copyfile(backend.folder(info.id) / "lazy-pages.log", Path(LOGS_DIR) / name)
     say(f"{tag}: same kernel answered after {click:.2f} s (ready {ready_s:.2f} s, backend restore "
         f"{restore_s:.2f} s); checksum cell {first_tensor_cell:.2f} s, intact: {after == checksum}")  # fmt: skip
 
@@ -975,6 +979,7 @@ async def bare_run(root: Path, criu: str, cuda, gpu: Gpu, pw: pwd.struct_passwd,
 # ------------------------------------------------------------------------ the runs
 
 KEEP_CACHE = False  # --keep-cache
+LOGS_DIR = ""  # --logs
 COLUMNS = [
     "gib", "gpu_gib", "image_gib", "time_to_gpu_free_s", "bare_gpu_free_s", "gpu_free_ratio",
     "time_to_disk_s", "bare_dump_s", "disk_ratio", "click_to_kernel_s", "bare_restore_s", "click_ratio",
@@ -1343,6 +1348,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--keep-cache", action="store_true", help="do not drop the page cache before restores"
     )
     p.add_argument(
+        "--logs",
+        default="",
+        metavar="DIR",
+        help="copy each lazy restore's lazy-pages.log (every fault and request, with times) here",
+    )
+    p.add_argument(
         "--backend",
         action="append",
         default=[],
@@ -1392,9 +1403,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run(argv: list[str] | None = None) -> int:
-    global KEEP_CACHE
+    global KEEP_CACHE, LOGS_DIR
     a = parse_args(argv)
     KEEP_CACHE = a.keep_cache
+    LOGS_DIR = a.logs
     say(f"sizes {' '.join(f'{g:g}' for g in a.sizes)} GiB, repeat {a.repeat}, dir {a.dir}")
     torch_version = check_gpu_python()
 

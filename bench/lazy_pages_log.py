@@ -1,0 +1,101 @@
+"""Where a lazy restore's time went, from the daemon's log (``lazy-pages.log``, ``-v4``).
+
+Per restored process: its page faults (how many, how long each waited from the fault to
+the copy of its pages: median, 90th percentile, most, and the sum; ``fault_events``: also
+those on pages already asked for), the requests around them (``around``, CRIU patch
+0005), its background requests, and when its first fault, last fault and last copy came (seconds from the
+daemon's start). ``bench/gpu_notebook.py --logs DIR`` keeps the log of each lazy restore.
+
+Usage: ``python bench/lazy_pages_log.py LOG [LOG ...] [--until SECONDS]`` (``--until``:
+count only the faults before then, e.g. the kernel's first answer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import lzma
+import re
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+from common import print_table
+
+LINE = re.compile(r"^\((\d+\.\d+)\) uffd: (\d+)-\d+: (.*)$")
+FAULT = re.compile(r"#PF at 0x([0-9a-f]+): asking for (\d+) bytes")
+COPY = re.compile(r"uffd_copy: 0x([0-9a-f]+)/(\d+)")
+BACKGROUND = re.compile(r"background: (\d+) pages at 0x([0-9a-f]+)")
+QUEUED = re.compile(r"#PF at 0x([0-9a-f]+)$")
+AROUND = re.compile(r"fault-around: (\d+) pages at 0x([0-9a-f]+)")
+
+
+def _lines(path: Path):
+    opener = lzma.open if path.suffix == ".xz" else open
+    with opener(path, "rt", errors="replace") as f:
+        yield from f
+
+
+def summarize(path: Path, until: float | None = None) -> list[dict]:
+    procs: dict[int, dict] = defaultdict(
+        lambda: {"faults": [], "pending": {}, "background": 0, "bg_bytes": 0, "copied": 0,
+                 "first_fault": None, "last_fault": None, "last_copy": None, "faulted": 0,
+                 "around": 0, "around_bytes": 0}
+    )  # fmt: skip
+    for line in _lines(path):
+        m = LINE.match(line.rstrip("\n"))
+        if not m:
+            continue
+        t, pid, what = float(m.group(1)), int(m.group(2)), m.group(3)
+        p = procs[pid]
+        if f := FAULT.match(what):
+            if until is not None and t > until:
+                continue
+            p["pending"][int(f.group(1), 16)] = t
+            p["first_fault"] = p["first_fault"] if p["first_fault"] is not None else t
+            p["last_fault"] = t
+        elif QUEUED.match(what):
+            p["faulted"] += 1  # every fault, also one on pages already asked for
+        elif c := COPY.match(what):
+            addr, n = int(c.group(1), 16), int(c.group(2))
+            p["copied"] += n
+            p["last_copy"] = t
+            if addr in p["pending"]:
+                p["faults"].append(t - p["pending"].pop(addr))
+        elif a := AROUND.match(what):
+            if until is None or t <= until:
+                p["around"] += 1
+                p["around_bytes"] += int(a.group(1)) * 4096
+        elif b := BACKGROUND.match(what):
+            p["background"] += 1
+            p["bg_bytes"] += int(b.group(1)) * 4096
+    rows = []
+    for pid, p in sorted(procs.items()):
+        w = sorted(p["faults"])
+        if not w and not p["background"]:
+            continue
+        rows.append({
+            "log": path.name, "pid": pid, "faults": len(w), "fault_events": p["faulted"],
+            "wait_median_ms": round(statistics.median(w) * 1e3, 2) if w else None,
+            "wait_p90_ms": round(w[int(0.9 * (len(w) - 1))] * 1e3, 2) if w else None,
+            "wait_max_ms": round(w[-1] * 1e3, 1) if w else None,
+            "wait_sum_s": round(sum(w), 3),
+            "around": p["around"], "around_mib": round(p["around_bytes"] / 2**20, 1),
+            "background": p["background"], "background_mib": round(p["bg_bytes"] / 2**20, 1),
+            "copied_mib": round(p["copied"] / 2**20, 1),
+            "first_fault_s": p["first_fault"], "last_fault_s": p["last_fault"],
+            "last_copy_s": p["last_copy"],
+        })  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("logs", nargs="+", type=Path)
+    ap.add_argument("--until", type=float, default=None, help="count faults until this second")
+    a = ap.parse_args()
+    rows = [r for path in a.logs for r in summarize(path, a.until)]
+    print_table(rows, list(rows[0]) if rows else ["log"])
+
+
+if __name__ == "__main__":
+    main()
