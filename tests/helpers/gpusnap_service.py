@@ -162,8 +162,12 @@ c.JupyterHub.load_roles = [
             if value:
                 return value
             await asyncio.sleep(0.3)
+        # the log without its debug lines (the watcher's every reading), which would fill it
+        told = "\n".join(
+            line for line in self.log_text().splitlines() if not line.startswith("[D ")
+        )
         raise AssertionError(
-            f"timed out waiting for {what}\n--- service log:\n{self.log_text()[-5000:]}"
+            f"timed out waiting for {what}\n--- service log (no debug lines):\n{told[-5000:]}"
         )
 
 
