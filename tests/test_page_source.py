@@ -165,3 +165,32 @@ async def test_every_answer_is_the_whole_request(tmp_path):
     await asyncio.gather(serving, return_exceptions=True)
     source.close()
     pool.shutdown()
+
+
+async def test_the_pages_around_a_fault_start_no_read_ahead(tmp_path):
+    # The runs after a fault are asked for in file order, up to 4 MiB, and stop there. Read
+    # ahead of each such cluster, every fault of a GPU kernel (about 170 while it answers)
+    # read 48 MiB more, pushing out of memory what the transfer had read ahead.
+    pool = ThreadPoolExecutor(2)
+    image = tmp_path / "pages-1.img"
+    image.write_bytes(os.urandom(1 << 20) * 64)
+    write_sums(tmp_path, [image.name], pool, expected=None)
+    source = RawPages(image, load_sums(tmp_path, image.name, image.stat().st_size), pool)
+    run = (1 << 20) // PAGE
+    runs = [Run(0x10000000 + i * (2 << 20), run, i << 20, 0) for i in range(64)]
+    server = PageServer([Pagemap("pagemap-7.img", 1, runs, pid=7)], {image.name: source}, pool)
+    ours, theirs = socket.socketpair()
+    serving = asyncio.ensure_future(server.serve(ours))
+    reader, writer = await asyncio.open_connection(sock=theirs)
+    for r in runs[:3]:  # a fault's cluster: one run after the other, in file order
+        writer.write(IOV.pack(PS_IOV_GET | PS_GET_AROUND << PS_CMD_BITS, run, r.vaddr, 7))
+        _, nr, _, _ = IOV.unpack(await asyncio.wait_for(reader.readexactly(IOV.size), 10))
+        await reader.readexactly(nr * PAGE)
+    await asyncio.sleep(0)
+    pool.shutdown(wait=True)
+    _, got = source.prefix(3 << 20, AHEAD)
+    assert got == 0, f"{got >> 20} MiB read ahead of the pages around a fault"
+    writer.close()
+    server.close()
+    await asyncio.gather(serving, return_exceptions=True)
+    source.close()

@@ -189,7 +189,12 @@ class PageServer:
         memory in address order, which is file order, one run of present pages after
         another (a GPU process's memory is thousands of runs; the next run's address is not
         where the last ended, its offset in the file is); so do the faults of a reader going
-        through memory in order."""
+        through memory in order. Never for the pages around a fault: they go on in order
+        for up to 4 MiB and stop, and reading ahead of each fault's cluster would read 48
+        MiB at every one (170 at a time for a GPU kernel), pushing the transfer's read-ahead
+        out of memory."""
+        if kind == AROUND:
+            return False
         off, key = ranges[0][0], (source.name, kind)
         in_order = off in (self._next.get(key), self._asked.get(key))
         self._asked[key] = ranges[-1][0] + ranges[-1][1]
