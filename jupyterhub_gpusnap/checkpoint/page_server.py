@@ -34,7 +34,7 @@ for that request and is not woken by the later one: with partial answers a kerne
 waited for the background transfer to reach its page, 8 s at 8 GiB.) A request that goes
 on in its pages file where the last answer or request of its kind ended (the background
 transfer, or faults of a reader going through memory in order) starts checking the next
-``ahead`` bytes in the pool; a lone fault does not.
+``ahead`` bytes in the pool; a lone fault does not, nor do the pages around a fault.
 
 On a failed check the server answers nothing more: the faulting thread stays blocked in
 the kernel, never running on with memory that is not its own, until :mod:`.lazy` has

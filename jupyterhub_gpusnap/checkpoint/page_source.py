@@ -127,11 +127,6 @@ class _Segmented:
                 i += 1
         return out, pos - offset
 
-    def segment_end(self, offset: int) -> int:
-        """Where the segment (or chunk) holding ``offset`` ends."""
-        i = bisect.bisect_right(self.starts, offset)
-        return self.starts[i] if i < len(self.starts) else self.size
-
     def ahead(self, offset: int, length: int) -> None:
         """Check the segments covering ``[offset, offset + length)`` in the pool, now."""
         if offset >= self.size:
