@@ -6,11 +6,13 @@ import asyncio
 import os
 import socket
 import stat
+import subprocess
 
 import psutil
 import pytest
 
 from jupyterhub_gpusnap.checkpoint import CheckpointError, CheckpointRefused, criu
+from jupyterhub_gpusnap.checkpoint.pagemap import read_pagemaps
 from jupyterhub_gpusnap.procs import is_alive, tree_pids
 
 pytestmark = pytest.mark.criu
@@ -142,3 +144,57 @@ async def test_a_tcp_close_checkpoint_leaves_the_hosts_firewall_alone(process_tr
             f"{path.name} touched the host's firewall:\n"
             + "\n".join(line for line in text.splitlines() if "table" in line or "nft" in line)
         )
+
+
+ALIGNED_SP = r"""
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+static char stack[1 << 16] __attribute__((aligned(4096)));
+int main(void) {
+    size_t n = 64 << 20;
+    char *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        return 1;
+    memset(p, 7, n);
+    printf("%lx\n", (unsigned long)p);
+    fflush(stdout);
+    /* wait in pause() with the stack pointer on a page boundary */
+    __asm__ volatile("mov %0, %%rsp\n1: mov $34, %%eax\nsyscall\njmp 1b\n"
+                     : : "r"(stack + sizeof(stack)) : "memory");
+    return 0;
+}
+"""
+
+
+async def test_a_stack_pointer_on_a_page_boundary_leaves_the_memory_lazy(tmp_path):
+    # CRIU keeps the page a thread's stack pointer is on out of a lazy restore; upstream's
+    # test compared the offsets in the page instead of the pages, so a thread stopped with
+    # its stack pointer on a page boundary made *every* page of its process eager. A
+    # Jupyter kernel has a dozen threads: one lazy restore in eight or so (on the H100 and
+    # here) restored the whole kernel eagerly. Fixed by our CRIU patch 0006.
+    src, prog = tmp_path / "aligned_sp.c", tmp_path / "aligned_sp"
+    src.write_text(ALIGNED_SP)
+    subprocess.run(["cc", "-O1", "-o", str(prog), str(src)], check=True)
+    out = tmp_path / "out"
+    with open(out, "w") as f:
+        proc = subprocess.Popen(
+            [str(prog)], stdin=subprocess.DEVNULL, stdout=f, stderr=f, start_new_session=True
+        )
+    try:
+        for _ in range(500):
+            if out.read_text().strip():
+                break
+            await asyncio.sleep(0.01)
+        addr = int(out.read_text().split()[0], 16)
+        images = tmp_path / "img"
+        images.mkdir(mode=0o700)
+        await criu.dump(proc.pid, images)
+    finally:
+        proc.kill()
+        proc.wait()
+    (pm,) = [pm for pm in read_pagemaps(images) if pm.pid is not None]
+    buffer = [r for r in pm.runs if addr <= r.vaddr < addr + (64 << 20)]
+    assert sum(r.nr_pages for r in buffer) == (64 << 20) // 4096, "the buffer was dumped"
+    eager = sum(r.nr_pages for r in buffer if not r.lazy) * 4096
+    assert eager == 0, f"{eager >> 20} MiB of the 64 MiB buffer would be restored eagerly"
