@@ -533,10 +533,17 @@ c.JupyterHub.load_roles.append({{
         ws_url = self.server_url(user, server).replace("http://", "ws://", 1)
         session = uuid.uuid4().hex
         ws_url += f"api/kernels/{kernel_id}/channels?session_id={session}"
-        conn = await asyncio.wait_for(
-            websocket_connect(HTTPRequest(ws_url, headers={"Authorization": f"token {token}"})),
-            timeout,
-        )
+        try:
+            conn = await asyncio.wait_for(
+                websocket_connect(HTTPRequest(ws_url, headers={"Authorization": f"token {token}"})),
+                timeout,
+            )
+        except HTTPClientError as e:  # no such kernel (a fresh server?): say what the Hub did
+            warned = [ln for ln in self.log_text().splitlines() if ln.startswith(("[W", "[E"))]
+            raise HubError(
+                f"kernel {kernel_id} of {user}/{server}: {e}; the Hub's warnings and errors:\n"
+                + "\n".join(warned[-20:])
+            ) from e
         try:
             msg_id, message = execute_request(code, session=session, username=user)
             await conn.write_message(message)
