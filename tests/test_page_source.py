@@ -5,6 +5,7 @@ when the daemon asks for it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import threading
@@ -23,6 +24,32 @@ from jupyterhub_gpusnap.checkpoint.page_server import (
 from jupyterhub_gpusnap.checkpoint.page_source import ChunkPages, RawPages
 from jupyterhub_gpusnap.checkpoint.page_sums import load_sums, write_sums
 from jupyterhub_gpusnap.checkpoint.pagemap import PAGE, Pagemap, Run
+
+
+def _raw_image(tmp_path, mib: int, pool: ThreadPoolExecutor) -> RawPages:
+    """A pages file of ``mib`` MiB (one random MiB over and over) with its page sums, as a
+    checked source reading in ``pool``."""
+    image = tmp_path / "pages-1.img"
+    image.write_bytes(os.urandom(1 << 20) * mib)
+    write_sums(tmp_path, [image.name], pool, expected=None)
+    return RawPages(image, load_sums(tmp_path, image.name, image.stat().st_size), pool)
+
+
+@contextlib.asynccontextmanager
+async def _serving(source: RawPages, runs: list[Run], pool: ThreadPoolExecutor):
+    """A page server for process 7 (``runs`` in ``source``) on a socketpair: (server,
+    reader, writer) of the daemon's end; all of it closed afterwards."""
+    server = PageServer([Pagemap("pagemap-7.img", 1, runs, pid=7)], {source.name: source}, pool)
+    ours, theirs = socket.socketpair()
+    serving = asyncio.ensure_future(server.serve(ours))
+    reader, writer = await asyncio.open_connection(sock=theirs)
+    try:
+        yield server, reader, writer
+    finally:
+        writer.close()
+        server.close()
+        await asyncio.gather(serving, return_exceptions=True)
+        source.close()
 
 
 def _checked_ahead(source, pool: ThreadPoolExecutor) -> int:
@@ -50,12 +77,8 @@ def test_small_chunks_read_ahead_stay_until_asked_for(tmp_path):
 
 
 def test_raw_segments_read_ahead_stay_until_asked_for(tmp_path):
-    pool = ThreadPoolExecutor(2)
-    image = tmp_path / "pages-1.img"
-    image.write_bytes(os.urandom(1 << 20) * ((AHEAD >> 20) + 8))
-    write_sums(tmp_path, [image.name], pool, expected=None)
     reader = ThreadPoolExecutor(4)
-    source = RawPages(image, load_sums(tmp_path, image.name, image.stat().st_size), reader)
+    source = _raw_image(tmp_path, (AHEAD >> 20) + 8, reader)
     assert _checked_ahead(source, reader) == AHEAD
 
 
@@ -64,29 +87,19 @@ async def test_the_transfer_reads_ahead_across_runs_of_pages(tmp_path):
     # request starts at the next run's address, not where the last answer ended, but at
     # the next offset of the pages file. Read-ahead keyed by address never started there.
     pool = ThreadPoolExecutor(2)
-    image = tmp_path / "pages-1.img"
-    image.write_bytes(os.urandom(1 << 20) * 96)
-    write_sums(tmp_path, [image.name], pool, expected=None)
-    source = RawPages(image, load_sums(tmp_path, image.name, image.stat().st_size), pool)
+    source = _raw_image(tmp_path, 96, pool)
     run = (1 << 20) // PAGE  # pages per run: 1 MiB each, 2 MiB apart in the address space
     runs = [Run(0x10000000 + i * (2 << 20), run, i << 20, 0) for i in range(96)]
-    server = PageServer([Pagemap("pagemap-7.img", 1, runs, pid=7)], {image.name: source}, pool)
-    ours, theirs = socket.socketpair()
-    serving = asyncio.ensure_future(server.serve(ours))
-    reader, writer = await asyncio.open_connection(sock=theirs)
-    for r in runs[:2]:  # the daemon's transfer: one run, then the next
-        writer.write(IOV.pack(PS_IOV_GET, run, r.vaddr, 7))
-        head = await reader.readexactly(IOV.size)
-        assert IOV.unpack(head)[1] == run
-        await reader.readexactly(run * PAGE)
-    await asyncio.sleep(0)
-    pool.shutdown(wait=True)  # the read-ahead the second request started has finished
-    _, got = source.prefix(2 << 20, AHEAD)
-    assert got == AHEAD, f"{got >> 20} MiB read ahead of the transfer"
-    writer.close()
-    server.close()
-    await asyncio.gather(serving, return_exceptions=True)
-    source.close()
+    async with _serving(source, runs, pool) as (_, reader, writer):
+        for r in runs[:2]:  # the daemon's transfer: one run, then the next
+            writer.write(IOV.pack(PS_IOV_GET, run, r.vaddr, 7))
+            head = await reader.readexactly(IOV.size)
+            assert IOV.unpack(head)[1] == run
+            await reader.readexactly(run * PAGE)
+        await asyncio.sleep(0)
+        pool.shutdown(wait=True)  # the read-ahead the second request started has finished
+        _, got = source.prefix(2 << 20, AHEAD)
+        assert got == AHEAD, f"{got >> 20} MiB read ahead of the transfer"
 
 
 async def test_a_fault_is_answered_before_background_requests_asked_before_it(tmp_path):
@@ -97,45 +110,35 @@ async def test_a_fault_is_answered_before_background_requests_asked_before_it(tm
     # server's own threads and answered first; the background answers follow in request
     # order.
     pool = ThreadPoolExecutor(1)
-    image = tmp_path / "pages-1.img"
-    image.write_bytes(os.urandom(1 << 20) * 8)
-    write_sums(tmp_path, [image.name], pool, expected=None)
-    source = RawPages(image, load_sums(tmp_path, image.name, image.stat().st_size), pool)
+    source = _raw_image(tmp_path, 8, pool)
     runs = [Run(0x10000000, 8 << 8, 0, 0)]  # 8 MiB of pages
-    server = PageServer([Pagemap("pagemap-7.img", 1, runs, pid=7)], {image.name: source}, pool)
-    ours, theirs = socket.socketpair()
-    serving = asyncio.ensure_future(server.serve(ours))
-    reader, writer = await asyncio.open_connection(sock=theirs)
-    busy = threading.Event()
-    pool.submit(busy.wait)  # the pool is reading ahead: background reads wait their turn
-    background = [0x10000000, 0x10000000 + (2 << 20)]
-    fault, around = 0x10000000 + (6 << 20), 0x10000000 + (7 << 20)
-    for vaddr in background:
-        writer.write(IOV.pack(PS_IOV_GET, 16, vaddr, 7))
-    writer.write(IOV.pack(PS_IOV_GET | PS_GET_URGENT << PS_CMD_BITS, 16, fault, 7))
-    writer.write(IOV.pack(PS_IOV_GET | PS_GET_AROUND << PS_CMD_BITS, 16, around, 7))
-    first = {}
-    try:
-        for _ in range(2):
-            head = await asyncio.wait_for(reader.readexactly(IOV.size), 10)
-            _, nr, vaddr, dst = IOV.unpack(head)
-            first[vaddr] = (dst, nr, await reader.readexactly(nr * PAGE))
-    finally:
-        busy.set()
-    data = image.read_bytes()
-    assert first == {
-        fault: (7, 16, data[6 << 20 :][: 16 * PAGE]),
-        around: (7, 16, data[7 << 20 :][: 16 * PAGE]),
-    }, "the fault (and the pages around it) waited for the background answers"
-    for want in background:  # then the background, in request order
-        _, nr, vaddr, _ = IOV.unpack(await reader.readexactly(IOV.size))
-        assert (vaddr, nr) == (want, 16)
-        await reader.readexactly(nr * PAGE)
-    assert (server.requests, server.faults) == (4, 2)
-    writer.close()
-    server.close()
-    await asyncio.gather(serving, return_exceptions=True)
-    source.close()
+    async with _serving(source, runs, pool) as (server, reader, writer):
+        busy = threading.Event()
+        pool.submit(busy.wait)  # the pool is reading ahead: background reads wait their turn
+        background = [0x10000000, 0x10000000 + (2 << 20)]
+        fault, around = 0x10000000 + (6 << 20), 0x10000000 + (7 << 20)
+        for vaddr in background:
+            writer.write(IOV.pack(PS_IOV_GET, 16, vaddr, 7))
+        writer.write(IOV.pack(PS_IOV_GET | PS_GET_URGENT << PS_CMD_BITS, 16, fault, 7))
+        writer.write(IOV.pack(PS_IOV_GET | PS_GET_AROUND << PS_CMD_BITS, 16, around, 7))
+        first = {}
+        try:
+            for _ in range(2):
+                head = await asyncio.wait_for(reader.readexactly(IOV.size), 10)
+                _, nr, vaddr, dst = IOV.unpack(head)
+                first[vaddr] = (dst, nr, await reader.readexactly(nr * PAGE))
+        finally:
+            busy.set()
+        data = source.path.read_bytes()
+        assert first == {
+            fault: (7, 16, data[6 << 20 :][: 16 * PAGE]),
+            around: (7, 16, data[7 << 20 :][: 16 * PAGE]),
+        }, "the fault (and the pages around it) waited for the background answers"
+        for want in background:  # then the background, in request order
+            _, nr, vaddr, _ = IOV.unpack(await reader.readexactly(IOV.size))
+            assert (vaddr, nr) == (want, 16)
+            await reader.readexactly(nr * PAGE)
+        assert (server.requests, server.faults) == (4, 2)
     pool.shutdown()
 
 
@@ -145,25 +148,16 @@ async def test_every_answer_is_the_whole_request(tmp_path):
     # answered with only what was checked already, a kernel's thread waited for the
     # background transfer to reach its page (8 s at 8 GiB).
     pool = ThreadPoolExecutor(2)
-    image = tmp_path / "pages-1.img"
-    image.write_bytes(os.urandom(1 << 20) * 4)
-    write_sums(tmp_path, [image.name], pool, expected=None)
-    source = RawPages(image, load_sums(tmp_path, image.name, image.stat().st_size), pool)
+    source = _raw_image(tmp_path, 4, pool)
     source.read(0, PAGE)  # the first segment is checked and in memory, the rest is not
-    runs = [Run(0x10000000, 4 << 8, 0, 0)]
-    server = PageServer([Pagemap("pagemap-7.img", 1, runs, pid=7)], {image.name: source}, pool)
-    ours, theirs = socket.socketpair()
-    serving = asyncio.ensure_future(server.serve(ours))
-    reader, writer = await asyncio.open_connection(sock=theirs)
-    for flags in (0, PS_GET_URGENT):
-        writer.write(IOV.pack(PS_IOV_GET | flags << PS_CMD_BITS, 3 << 8, 0x10000000, 7))
-        _, nr, vaddr, _ = IOV.unpack(await asyncio.wait_for(reader.readexactly(IOV.size), 10))
-        assert (vaddr, nr) == (0x10000000, 3 << 8), f"answered {nr} of {3 << 8} pages"
-        assert await reader.readexactly(nr * PAGE) == image.read_bytes()[: 3 << 20]
-    writer.close()
-    server.close()
-    await asyncio.gather(serving, return_exceptions=True)
-    source.close()
+    data = source.path.read_bytes()
+    async with _serving(source, [Run(0x10000000, 4 << 8, 0, 0)], pool) as (_, reader, writer):
+        for flags in (0, PS_GET_URGENT):
+            writer.write(IOV.pack(PS_IOV_GET | flags << PS_CMD_BITS, 3 << 8, 0x10000000, 7))
+            head = await asyncio.wait_for(reader.readexactly(IOV.size), 10)
+            _, nr, vaddr, _ = IOV.unpack(head)
+            assert (vaddr, nr) == (0x10000000, 3 << 8), f"answered {nr} of {3 << 8} pages"
+            assert await reader.readexactly(nr * PAGE) == data[: 3 << 20]
     pool.shutdown()
 
 
@@ -172,25 +166,15 @@ async def test_the_pages_around_a_fault_start_no_read_ahead(tmp_path):
     # ahead of each such cluster, every fault of a GPU kernel (about 170 while it answers)
     # read 48 MiB more, pushing out of memory what the transfer had read ahead.
     pool = ThreadPoolExecutor(2)
-    image = tmp_path / "pages-1.img"
-    image.write_bytes(os.urandom(1 << 20) * 64)
-    write_sums(tmp_path, [image.name], pool, expected=None)
-    source = RawPages(image, load_sums(tmp_path, image.name, image.stat().st_size), pool)
+    source = _raw_image(tmp_path, 64, pool)
     run = (1 << 20) // PAGE
     runs = [Run(0x10000000 + i * (2 << 20), run, i << 20, 0) for i in range(64)]
-    server = PageServer([Pagemap("pagemap-7.img", 1, runs, pid=7)], {image.name: source}, pool)
-    ours, theirs = socket.socketpair()
-    serving = asyncio.ensure_future(server.serve(ours))
-    reader, writer = await asyncio.open_connection(sock=theirs)
-    for r in runs[:3]:  # a fault's cluster: one run after the other, in file order
-        writer.write(IOV.pack(PS_IOV_GET | PS_GET_AROUND << PS_CMD_BITS, run, r.vaddr, 7))
-        _, nr, _, _ = IOV.unpack(await asyncio.wait_for(reader.readexactly(IOV.size), 10))
-        await reader.readexactly(nr * PAGE)
-    await asyncio.sleep(0)
-    pool.shutdown(wait=True)
-    _, got = source.prefix(3 << 20, AHEAD)
-    assert got == 0, f"{got >> 20} MiB read ahead of the pages around a fault"
-    writer.close()
-    server.close()
-    await asyncio.gather(serving, return_exceptions=True)
-    source.close()
+    async with _serving(source, runs, pool) as (_, reader, writer):
+        for r in runs[:3]:  # a fault's cluster: one run after the other, in file order
+            writer.write(IOV.pack(PS_IOV_GET | PS_GET_AROUND << PS_CMD_BITS, run, r.vaddr, 7))
+            _, nr, _, _ = IOV.unpack(await asyncio.wait_for(reader.readexactly(IOV.size), 10))
+            await reader.readexactly(nr * PAGE)
+        await asyncio.sleep(0)
+        pool.shutdown(wait=True)
+        _, got = source.prefix(3 << 20, AHEAD)
+        assert got == 0, f"{got >> 20} MiB read ahead of the pages around a fault"
