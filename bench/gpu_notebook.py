@@ -1185,7 +1185,8 @@ async def measure(
 
 RESTORE_COLUMNS = [
     "gib", "storage", "mode", "click_to_ready_s", "click_to_kernel_s", "first_tensor_cell_s",
-    "full_restore_s", "full_vs_eager", "full_vs_files", "lazy_all_in_s", "gpu_behind_s", "intact",
+    "full_restore_s", "full_vs_eager", "full_vs_files", "lazy_all_in_s", "gpu_started_s",
+    "gpu_behind_s", "intact",
 ]  # fmt: skip
 CLICK_GOAL_S = 2.0  # lazy restore: the kernel answers within this, whatever the size
 FULL_GOAL = 1.1  # lazy restore: every byte back within this × the eager restore
@@ -1288,7 +1289,7 @@ async def compare_restores(
                             row[k] = median(vals) if vals else None
                         for k in ("intact", "restored", "gpu_free_after", "cold_cache"):
                             row[k] = all(x[k] for x in runs)
-                        for k in ("lazy_all_in_s", "gpu_behind_s"):
+                        for k in ("lazy_all_in_s", "gpu_started_s", "gpu_behind_s"):
                             vals = [(x.get("restore_phases") or {}).get(k) for x in runs]
                             vals = [v for v in vals if isinstance(v, (int, float))]
                             row[k] = median(vals) if vals else None

@@ -324,18 +324,28 @@ async def gpu_snapshot(tmp_path, process_tree):
     return backend, tree, folder, before
 
 
-@pytest.mark.parametrize("gpu_fails", [False, True])
-async def test_gpu_memory_comes_back_behind_the_first_answer(tmp_path, process_tree, gpu_fails):
+@pytest.mark.parametrize(
+    "when, gpu_fails",
+    [("after_pages", False), ("after_pages", True), ("overlap", False), ("at_once", False)],
+)
+async def test_gpu_memory_comes_back_behind_the_first_answer(
+    tmp_path, process_tree, when, gpu_fails
+):
     """restore_mode = "lazy" hands a GPU server out before its GPU memory is back: the
     tree answers while the driver's restore still runs; then the GPU memory's time and the
-    whole restore's are recorded. A GPU restore that fails after the server answered
-    kills the tree (it must not run on without its GPU memory), marks the snapshot failed
-    with the driver's reason and counts it."""
+    whole restore's are recorded, with when the driver started: after the last page
+    ('after_pages'), before it ('at_once', and 'overlap' for a snapshot whose GPU memory
+    takes longer to restore than its pages to arrive). A GPU restore that fails after the
+    server answered kills the tree (it must not run on without its GPU memory), marks the
+    snapshot failed with the driver's reason and counts it."""
     backend, tree, folder, before = await gpu_snapshot(tmp_path, process_tree)
+    m = Manifest.load(folder)
+    m.gpu_bytes = 1 << 40  # 'overlap': the driver needs minutes, so starts once a rate is known
+    m.save(folder)
     why = "cuCheckpointProcessRestore failed: CUDA_ERROR_OUT_OF_MEMORY (2)" if gpu_fails else ""
     driver = StandInDriver(fail=why)
     lazyb = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0,
-                         storage="chunks", restore_mode="lazy")  # fmt: skip
+                         storage="chunks", restore_mode="lazy", lazy_gpu_restore=when)  # fmt: skip
     lazyb.cuda = lambda: driver
     failed = lazy.LAZY_RESTORES.labels(result="failed")._value.get()
     cid = lazyb._id(folder)
@@ -357,6 +367,10 @@ async def test_gpu_memory_comes_back_behind_the_first_answer(tmp_path, process_t
         assert m.status == "restored" and "gpu_pending" not in m.extra, m.extra
         phases = m.extra["restore_phases"]
         assert phases["gpu_behind_s"] >= 0 and phases["full_restore_s"] > 0, phases
+        if when == "after_pages":
+            assert phases["gpu_started_s"] >= phases["lazy_all_in_s"], phases
+        else:
+            assert phases["gpu_started_s"] < phases["lazy_all_in_s"], phases
         assert (await ask(tree.port, "hash"))["now"] == before["digest"]
         return
     assert m.status == "failed", m.extra
@@ -364,6 +378,73 @@ async def test_gpu_memory_comes_back_behind_the_first_answer(tmp_path, process_t
     assert m.error.startswith(lazy.UNFINISHED)  # what the service tells a failed restore by
     assert lazy.LAZY_RESTORES.labels(result="failed")._value.get() == failed + 1
     assert_gone(pids)
+
+
+async def test_a_gpu_restore_failing_while_pages_arrive_stops_the_tree(tmp_path, process_tree):
+    """lazy_gpu_restore = 'at_once': the driver fails while the pages still arrive. The tree
+    is killed, and the snapshot failed with the driver's reason, not with the end of the
+    transfer that killing the tree causes."""
+    backend, tree, folder, before = await gpu_snapshot(tmp_path, process_tree)
+    driver = StandInDriver(fail="cuCheckpointProcessRestore failed: CUDA_ERROR_UNKNOWN (999)")
+    driver.go.set()
+    lazyb = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0,
+                         storage="chunks", restore_mode="lazy", lazy_gpu_restore="at_once")  # fmt: skip
+    lazyb.cuda = lambda: driver
+    cid = lazyb._id(folder)
+    pid = (await asyncio.wait_for(lazyb.restore(await lazyb.get(cid)), 120)).pid
+    tree.pid = pid
+    pids = tree_pids(pid)
+    await asyncio.wait_for(lazyb.lazy_restores[cid], 120)
+    m = Manifest.load(folder)
+    assert m.status == "failed" and "CUDA_ERROR_UNKNOWN" in m.error, m.error
+    assert "restoring GPU memory" in m.error, m.error
+    assert_gone(pids)
+
+
+async def test_a_damaged_page_while_the_gpu_memory_is_restored_names_the_page(
+    tmp_path, process_tree, pool
+):
+    """lazy_gpu_restore = 'at_once': a damaged page arrives while the driver restores the
+    GPU memory. The tree is killed, the driver's restore abandoned, and the snapshot failed
+    naming the chunk (not the driver's failure on a tree that is gone)."""
+    backend, tree, folder, before = await gpu_snapshot(tmp_path, process_tree)
+    m = Manifest.load(folder)
+    named = damage_a_lazy_page(backend, m, folder, before, image_of(backend, m, folder, pool), pool)
+    driver = StandInDriver()  # never told to go: its restore runs until it is abandoned
+    lazyb = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0,
+                         storage="chunks", restore_mode="lazy", lazy_gpu_restore="at_once")  # fmt: skip
+    lazyb.cuda = lambda: driver
+    cid = lazyb._id(folder)
+    pid = (await asyncio.wait_for(lazyb.restore(await lazyb.get(cid)), 120)).pid
+    tree.pid = pid
+    pids = tree_pids(pid)
+    await asyncio.wait_for(lazyb.lazy_restores[cid], 120)
+    assert driver.called.is_set()
+    m = Manifest.load(folder)
+    assert m.status == "failed" and re.search(named, m.error), m.error
+    assert "GPU" not in m.error, m.error
+    assert_gone(pids)
+
+
+def damage_a_lazy_page(backend, m: Manifest, folder: Path, before: dict, image, pool) -> str:
+    """Damage the page in the middle of the holder's buffer (a lazy page) of ``image``
+    (:func:`image_of`); a regex for how the failure names it (the 64 KiB block of a pages
+    file, or the chunk)."""
+    scratch = Path(tempfile.mkdtemp(prefix="gpusnap-pm-"))
+    try:
+        lazy.stage(image, scratch, pool)
+        name, offset = lazy_offset(scratch, before)
+    finally:
+        subprocess.run(["rm", "-rf", str(scratch)], check=False)
+    if m.storage == "files":
+        flip(folder / name, offset)
+        return rf"{name}: the 64 KiB block at offset {offset // 65536 * 65536}"
+    cid = chunk_at(m, name, offset)
+    blob = backend.root / STORE / m.key_id / cid[:2] / cid
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.write_bytes(bytes(data))
+    return rf"{name}: chunk {cid[:12]}"
 
 
 async def test_recover_brings_back_gpu_memory_a_stopped_restorer_left_behind(
@@ -441,23 +522,7 @@ async def test_a_damaged_lazy_page_kills_the_tree_and_names_it(
 ):
     backend, tree, m, folder, before = await suspended(tmp_path, process_tree, storage)
     image = image_of(backend, m, folder, pool)
-    # where a lazy page lives: read from the pagemaps (staged in a scratch folder)
-    scratch = Path(tempfile.mkdtemp(prefix="gpusnap-pm-"))
-    try:
-        await asyncio.to_thread(lazy.stage, image, scratch, pool)
-        name, offset = lazy_offset(scratch, before)
-    finally:
-        subprocess.run(["rm", "-rf", str(scratch)], check=False)
-    if storage == "files":
-        flip(folder / name, offset)
-        named = rf"{name}: the 64 KiB block at offset {offset // 65536 * 65536}"
-    else:
-        cid = chunk_at(m, name, offset)
-        blob = backend.root / STORE / m.key_id / cid[:2] / cid
-        data = bytearray(blob.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        blob.write_bytes(bytes(data))
-        named = rf"{name}: chunk {cid[:12]}"
+    named = damage_a_lazy_page(backend, m, folder, before, image, pool)
     error = None
     pids: list[int] = []
     try:
@@ -703,3 +768,28 @@ def test_pagemaps_locate_pages_across_runs_and_name_what_is_missing(tmp_path):
     (tmp_path / "pagemap-7.img").write_bytes(image[:-3])
     with pytest.raises(PagemapError, match="truncated"):
         read_pagemaps(tmp_path)
+
+
+def test_the_gpu_memory_is_due_as_the_last_pages_arrive():
+    """lazy_gpu_restore: 'overlap' starts the driver when the pages left take no longer
+    than the GPU memory will (at 6 GiB/s), never before the transfer's rate is known;
+    the transfer's end is estimated from its rate since the tree ran."""
+    from jupyterhub_gpusnap.checkpoint.local_lazy import gpu_restore_due
+
+    gib = 1 << 30
+    assert gpu_restore_due("at_once", None, 0)
+    assert not gpu_restore_due("after_pages", 0.0, 100 * gib)
+    assert not gpu_restore_due("overlap", None, 100 * gib)
+    assert gpu_restore_due("overlap", 1.3, 8 * gib) and not gpu_restore_due("overlap", 1.4, 8 * gib)
+    assert gpu_restore_due("overlap", 0.0, 0)
+
+    class Server:
+        bytes = 0
+
+    lr = lazy.LazyRestore(restored=None, daemon=None, server=Server(), staging=Path("."),
+                          lazy_bytes=10 * gib, started=0.0, running_at=time.monotonic() - 2)  # fmt: skip
+    assert lr.seconds_left() is None  # nothing came yet
+    Server.bytes = 2 * gib  # in 2 s: 8 GiB left take 8 s
+    assert 7.9 < lr.seconds_left() < 8.1
+    Server.bytes = 10 * gib
+    assert lr.seconds_left() == 0

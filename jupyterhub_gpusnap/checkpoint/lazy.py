@@ -59,6 +59,8 @@ LAZY_LOG = "lazy-pages.log"
 # background transfer (up to 4 MiB), and no more, since an answer to a page fault waits
 # behind what is in it.
 SOCKET_BYTES = 1 << 20
+# LazyRestore.seconds_left tells the transfer's rate once this much came
+RATE_AFTER = 64 << 20
 
 
 #: in the service's registry (/services/<name>/metrics): the service writes the sums
@@ -232,6 +234,8 @@ class LazyRestore:
     staging: Path
     lazy_bytes: int
     started: float
+    #: time.monotonic() when the tree ran (it was handed out)
+    running_at: float = 0.0
     #: resolves to the transfer's figures once every page is in; raises CheckpointError
     #: (the tree killed) if that cannot happen
     done: asyncio.Future | None = None
@@ -240,6 +244,15 @@ class LazyRestore:
     @property
     def pid(self) -> int:
         return self.restored.pid
+
+    def seconds_left(self) -> float | None:
+        """Seconds until the last page is in, at the rate pages came since the tree ran;
+        None until ``RATE_AFTER`` bytes came (too early to tell)."""
+        served = self.server.bytes
+        if served < RATE_AFTER:
+            return None
+        took = time.monotonic() - self.running_at
+        return max(0, self.lazy_bytes - served) * took / served
 
     async def abort(self) -> None:
         """Kill the tree and the daemon now (the server is not handed out after all)."""
@@ -339,11 +352,11 @@ async def restore(
         raise
     lazy = LazyRestore(
         restored=restored, daemon=daemon, server=server, staging=staging,
-        lazy_bytes=lazy_bytes(pagemaps), started=t0,
+        lazy_bytes=lazy_bytes(pagemaps), started=t0, running_at=time.monotonic(),
     )  # fmt: skip
     # what CRIU restored itself: a few MiB, unless a process's memory could not be left lazy
     eager = sum(n for ranges in eager_ranges(pagemaps).values() for _, n in ranges)
-    lazy.stats = {"staged_s": round(staged_s, 3), "running_s": round(time.monotonic() - t0, 3),
+    lazy.stats = {"staged_s": round(staged_s, 3), "running_s": round(lazy.running_at - t0, 3),
                   "lazy_bytes": lazy.lazy_bytes, "eager_bytes": eager}  # fmt: skip
     lazy.done = asyncio.ensure_future(_watch(lazy, failed, stop_all, poll))
     return lazy

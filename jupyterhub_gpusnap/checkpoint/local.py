@@ -289,12 +289,26 @@ class LocalBackend(
         background; a restore that comes first is eager). A damaged page found after the
         server runs kills the restored server (no process runs on wrong memory): the
         checkpoint is marked failed naming the damaged block or chunk, and the next start is
-        a fresh server. GPU memory is restored once every page is in, behind the server's
-        first answer (a cell that touches the GPU waits for it). Falls back to an eager
+        a fresh server. GPU memory comes back behind the server's first answer (a cell
+        that touches the GPU waits for it; see lazy_gpu_restore). Falls back to an eager
         restore (logged) when the checkpoint has no page checksums or CRIU cannot restore
         lazily (needs 'criu check --feature uffd-noncoop').
         Set it the same in the service's and the Hub's configuration
         (docs/lazy-restore.md).""",
+    ).tag(config=True)
+
+    lazy_gpu_restore = Enum(
+        ["overlap", "after_pages", "at_once"],
+        "overlap",
+        help="""restore_mode = 'lazy', GPU servers: when the driver restores the GPU memory of
+        a server already handed out (its CUDA calls wait until then). 'overlap' (default):
+        while the last pages arrive, started so that it ends about when they do (from the
+        transfer's rate so far and the snapshot's GPU bytes at 6 GiB/s); the driver's reads
+        fetch what is not in yet ahead of the rest. 'after_pages': once every page is in
+        (the driver reads memory that is all there; the full restore takes the two one after
+        the other). 'at_once': as soon as the server is handed out (the driver's reads then
+        compete with the kernel's first page faults). Measured on an H100 in
+        docs/lazy-restore.md ("GPU").""",
     ).tag(config=True)
 
     restore_pipe_bytes = Integer(

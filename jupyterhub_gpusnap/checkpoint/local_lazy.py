@@ -29,6 +29,21 @@ from .page_sums import sums_name, write_sums
 # 2 s per 8 GiB on an H100, plus its pages); one still pending this long after was left
 # behind by a restoring process that stopped, and recover() brings it back.
 GPU_BEHIND_GRACE = 600.0
+# The driver restores GPU memory at about this rate on an H100 (8 GiB in 1.3-1.5 s, 24 GiB
+# in 3.6 s, docs/lazy-restore.md): lazy_gpu_restore = 'overlap' starts it this long before
+# the transfer's end as estimated so far.
+GPU_RESTORE_BYTES_PER_S = 6 * 2**30
+
+
+def gpu_restore_due(when: str, seconds_left: float | None, gpu_bytes: int) -> bool:
+    """Whether a lazily restored server's GPU memory should be restored now, while its
+    pages arrive (``when``: LocalBackend.lazy_gpu_restore; ``seconds_left``: until the last
+    page, None while unknown). Once every page is in it is due whatever this says."""
+    if when == "at_once":
+        return True
+    if when == "after_pages" or seconds_left is None:
+        return False
+    return seconds_left <= gpu_bytes / GPU_RESTORE_BYTES_PER_S
 
 
 class LazyRestoreMixin:
@@ -142,8 +157,9 @@ class LazyRestoreMixin:
             await self._unstage_lazy(folder, images)
             raise
         task = asyncio.ensure_future(
-            self._finish_lazy(info.id, folder, key, lr, images, gpu_pids, restore_started)
-        )
+            self._finish_lazy(info.id, folder, key, lr, images, gpu_pids, restore_started,
+                              m.gpu_bytes)
+        )  # fmt: skip
         self.lazy_restores[info.id] = task
         self.log.info(
             "%s: checkpoint %s restored lazily as pid %s on %s:%s (running after %.2fs, "
@@ -162,23 +178,39 @@ class LazyRestoreMixin:
     async def _finish_lazy(
         self, cid: str, folder: Path, key: str, lr, images: Path,
         gpu_pids: list[int] | None = None, restore_started: float | None = None,
+        gpu_bytes: int = 0,
     ) -> None:  # fmt: skip
-        """Wait for a lazy restore's last page, then, for a GPU server, restore its GPU
-        memory (the driver reads it from host memory that is all in by then: no page fault
-        in its way, docs/lazy-restore.md "GPU"); record the figures. If either fails the
-        tree is killed (it must not run on memory that is not its own, or on without its
-        GPU memory) and the snapshot is marked failed with the reason, logged and counted."""
-        gpu_done_s = None
+        """Wait for a lazy restore's last page and, for a GPU server, restore its GPU
+        memory when lazy_gpu_restore says (while the last pages arrive, after them, or at
+        once; the driver's reads fault in what is not there yet, docs/lazy-restore.md
+        "GPU"); record the figures. If either fails the tree is killed (it must not run on
+        memory that is not its own, or on without its GPU memory) and the snapshot is
+        marked failed with the reason, logged and counted."""
+        gpu = None
+        if gpu_pids:
+            gpu = asyncio.ensure_future(self._gpu_when_due(key, cid, gpu_pids, lr, gpu_bytes))
         try:
             try:
+                await asyncio.wait([lr.done, *([gpu] if gpu else [])],
+                                   return_when=asyncio.FIRST_EXCEPTION)  # fmt: skip
+                page_failed = lr.done.done() and (
+                    lr.done.cancelled() or lr.done.exception() is not None
+                )
+                if not page_failed and gpu is not None and gpu.done() and gpu.exception():
+                    await self.kill_tree(tree_pids(lr.pid))
+                    await asyncio.gather(lr.done, return_exceptions=True)
+                    raise gpu.exception()
                 stats = await lr.done
-                if gpu_pids:
+                if gpu is not None:
                     try:
-                        gpu_done_s = await self._restore_gpu_behind(key, cid, gpu_pids)
+                        gpu_started_s, gpu_done_s = await gpu
                     except CheckpointError:
                         await self.kill_tree(tree_pids(lr.pid))
                         raise
             finally:
+                if gpu is not None:  # a page failed (the tree is gone) or the service stops
+                    gpu.cancel()
+                    await asyncio.gather(gpu, return_exceptions=True)
                 self.lazy_restores.pop(cid, None)
                 await self._unstage_lazy(folder, images)
         except CheckpointError as e:
@@ -200,8 +232,8 @@ class LazyRestoreMixin:
             phases = m.extra.get("restore_phases") or {}
             phases.update(lazy_all_in_s=stats.get("all_in_s"), lazy_served_bytes=stats.get("served_bytes"),
                           lazy_requests=stats.get("requests"), lazy_fault_requests=stats.get("fault_requests"))  # fmt: skip
-            if gpu_done_s is not None:
-                phases["gpu_behind_s"] = gpu_done_s
+            if gpu is not None:
+                phases.update(gpu_behind_s=gpu_done_s, gpu_started_s=gpu_started_s)
             if restore_started is not None:
                 phases["full_restore_s"] = round(time.time() - restore_started, 3)
             m.extra["restore_phases"] = phases
@@ -214,8 +246,24 @@ class LazyRestoreMixin:
             "%s: checkpoint %s: every page back after %.2fs (%.1f MiB served, %d requests)%s",
             key, cid, stats.get("all_in_s", 0), stats.get("served_bytes", 0) / 2**20,
             stats.get("requests", 0),
-            f", GPU memory back after {gpu_done_s:.2f}s" if gpu_done_s is not None else "",
+            f", GPU memory restored in {gpu_done_s:.2f}s from {gpu_started_s:.2f}s"
+            if gpu is not None else "",
         )  # fmt: skip
+
+    async def _gpu_when_due(
+        self, key: str, cid: str, pids: list[int], lr, gpu_bytes: int
+    ) -> tuple[float, float]:
+        """Restore the GPU memory of a lazily restored tree once :func:`gpu_restore_due`
+        says or every page is in; (seconds from the restore call to the driver's start,
+        seconds the driver took). Raises CheckpointError naming what failed."""
+        while not lr.done.done() and not gpu_restore_due(
+            self.lazy_gpu_restore, lr.seconds_left(), gpu_bytes
+        ):
+            await asyncio.wait([lr.done], timeout=0.05)
+        if lr.done.done() and (lr.done.cancelled() or lr.done.exception() is not None):
+            raise CheckpointError("the pages did not all come; no GPU memory restored")
+        started = round(time.monotonic() - lr.started, 3)
+        return started, await self._restore_gpu_behind(key, cid, pids)
 
     async def _restore_gpu_behind(self, key: str, cid: str, pids: list[int]) -> float:
         """Restore and unlock the GPU memory of a lazily restored tree while it runs; the
