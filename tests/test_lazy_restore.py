@@ -772,7 +772,7 @@ def test_pagemaps_locate_pages_across_runs_and_name_what_is_missing(tmp_path):
 
 def test_the_gpu_memory_is_due_as_the_last_pages_arrive():
     """lazy_gpu_restore: 'overlap' starts the driver when the pages left take no longer
-    than the GPU memory will (at 6 GiB/s), never before the transfer's rate is known;
+    than the GPU memory will (at 4 GiB/s), never before the transfer's rate is known;
     the transfer's end is estimated from its rate since the tree ran."""
     from jupyterhub_gpusnap.checkpoint.local_lazy import gpu_restore_due
 
@@ -780,7 +780,7 @@ def test_the_gpu_memory_is_due_as_the_last_pages_arrive():
     assert gpu_restore_due("at_once", None, 0)
     assert not gpu_restore_due("after_pages", 0.0, 100 * gib)
     assert not gpu_restore_due("overlap", None, 100 * gib)
-    assert gpu_restore_due("overlap", 1.3, 8 * gib) and not gpu_restore_due("overlap", 1.4, 8 * gib)
+    assert gpu_restore_due("overlap", 1.9, 8 * gib) and not gpu_restore_due("overlap", 2.1, 8 * gib)
     assert gpu_restore_due("overlap", 0.0, 0)
 
     class Server:

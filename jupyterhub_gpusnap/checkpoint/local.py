@@ -303,7 +303,7 @@ class LocalBackend(
         help="""restore_mode = 'lazy', GPU servers: when the driver restores the GPU memory of
         a server already handed out (its CUDA calls wait until then). 'overlap' (default):
         while the last pages arrive, started so that it ends about when they do (from the
-        transfer's rate so far and the snapshot's GPU bytes at 6 GiB/s); the driver's reads
+        transfer's rate so far and the snapshot's GPU bytes at 4 GiB/s); the driver's reads
         fetch what is not in yet ahead of the rest. 'after_pages': once every page is in
         (the driver reads memory that is all there; the full restore takes the two one after
         the other). 'at_once': as soon as the server is handed out (the driver's reads then

@@ -29,10 +29,11 @@ from .page_sums import sums_name, write_sums
 # 2 s per 8 GiB on an H100, plus its pages); one still pending this long after was left
 # behind by a restoring process that stopped, and recover() brings it back.
 GPU_BEHIND_GRACE = 600.0
-# The driver restores GPU memory at about this rate on an H100 (8 GiB in 1.3-1.5 s, 24 GiB
-# in 3.6 s, docs/lazy-restore.md): lazy_gpu_restore = 'overlap' starts it this long before
-# the transfer's end as estimated so far.
-GPU_RESTORE_BYTES_PER_S = 6 * 2**30
+# The driver restores GPU memory at 4.2-6.5 GiB/s on the H100 machines (8 GiB of tensors in
+# 1.3-2.1 s, docs/lazy-restore.md): lazy_gpu_restore = 'overlap' starts it the time this
+# rate gives before the transfer's end as estimated so far (the low end: better a little
+# early, its reads then fetch what is not in yet, than after the last page).
+GPU_RESTORE_BYTES_PER_S = 4 * 2**30
 
 
 def gpu_restore_due(when: str, seconds_left: float | None, gpu_bytes: int) -> bool:
