@@ -335,7 +335,9 @@ async def test_gpu_memory_comes_back_behind_the_first_answer(
     tree answers while the driver's restore still runs; then the GPU memory's time and the
     whole restore's are recorded, with when the driver started: after the last page
     ('after_pages'), before it ('at_once', and 'overlap' for a snapshot whose GPU memory
-    takes longer to restore than its pages to arrive). A GPU restore that fails after the
+    takes longer to restore than its pages to arrive). Once every page is in, the snapshot
+    says only the GPU memory is pending (so that recover() restores it if the Hub stops
+    then). A GPU restore that fails after the
     server answered kills the tree (it must not run on without its GPU memory), marks the
     snapshot failed with the driver's reason and counts it."""
     backend, tree, folder, before = await gpu_snapshot(tmp_path, process_tree)
@@ -356,8 +358,14 @@ async def test_gpu_memory_comes_back_behind_the_first_answer(
     assert (await ask(tree.port, "get"))["digest"] == before["digest"]
     await asyncio.wait_for(driver.called.wait(), 30)
     assert set(driver.pids) == set(pids)
-    m = Manifest.load(folder)
+    # every page in, the GPU memory not yet: what recover() would act on if the Hub stopped
+    for _ in range(300):
+        m = Manifest.load(folder)
+        if "lazy_pending" not in m.extra:
+            break
+        await asyncio.sleep(0.1)
     assert m.status == "restored" and m.extra.get("gpu_pending") is True, m.extra
+    assert "lazy_pending" not in m.extra and "lazy_all_in_s" in m.extra["restore_phases"], m.extra
     assert not lazyb.lazy_restores[cid].done()
 
     driver.go.set()

@@ -192,8 +192,9 @@ class LazyRestoreMixin:
             gpu = asyncio.ensure_future(self._gpu_when_due(key, cid, gpu_pids, lr, gpu_bytes))
         try:
             try:
+                # the first to end: the last page (or a failed one), or the driver
                 await asyncio.wait([lr.done, *([gpu] if gpu else [])],
-                                   return_when=asyncio.FIRST_EXCEPTION)  # fmt: skip
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
                 page_failed = lr.done.done() and (
                     lr.done.cancelled() or lr.done.exception() is not None
                 )
@@ -202,6 +203,14 @@ class LazyRestoreMixin:
                     await asyncio.gather(lr.done, return_exceptions=True)
                     raise gpu.exception()
                 stats = await lr.done
+                # every page is in: recover() must now see only the GPU memory pending
+                self._record_lazy(folder, key, cid, "lazy_pending", {
+                    "lazy_all_in_s": stats.get("all_in_s"),
+                    "lazy_served_bytes": stats.get("served_bytes"),
+                    "lazy_requests": stats.get("requests"),
+                    "lazy_fault_requests": stats.get("fault_requests"),
+                    **({} if gpu else _full(restore_started)),
+                })  # fmt: skip
                 if gpu is not None:
                     try:
                         gpu_started_s, gpu_done_s = await gpu
@@ -228,21 +237,11 @@ class LazyRestoreMixin:
             self.log.error("%s: lazy restore of checkpoint %s ended with %r", key, cid, e)
             return
         lazy.LAZY_RESTORES.labels(result="ok").inc()
-        try:
-            m = Manifest.load(folder)
-            phases = m.extra.get("restore_phases") or {}
-            phases.update(lazy_all_in_s=stats.get("all_in_s"), lazy_served_bytes=stats.get("served_bytes"),
-                          lazy_requests=stats.get("requests"), lazy_fault_requests=stats.get("fault_requests"))  # fmt: skip
-            if gpu is not None:
-                phases.update(gpu_behind_s=gpu_done_s, gpu_started_s=gpu_started_s)
-            if restore_started is not None:
-                phases["full_restore_s"] = round(time.time() - restore_started, 3)
-            m.extra["restore_phases"] = phases
-            m.extra.pop("lazy_pending", None)
-            m.extra.pop("gpu_pending", None)
-            m.save(folder)
-        except (OSError, ValueError) as e:
-            self.log.warning("%s: cannot record the lazy restore of %s: %s", key, cid, e)
+        if gpu is not None:
+            self._record_lazy(folder, key, cid, "gpu_pending", {
+                "gpu_behind_s": gpu_done_s, "gpu_started_s": gpu_started_s,
+                **_full(restore_started),
+            })  # fmt: skip
         self.log.info(
             "%s: checkpoint %s: every page back after %.2fs (%.1f MiB served, %d requests)%s",
             key, cid, stats.get("all_in_s", 0), stats.get("served_bytes", 0) / 2**20,
@@ -250,6 +249,17 @@ class LazyRestoreMixin:
             f", GPU memory restored in {gpu_done_s:.2f}s from {gpu_started_s:.2f}s"
             if gpu is not None else "",
         )  # fmt: skip
+
+    def _record_lazy(self, folder: Path, key: str, cid: str, done: str, phases: dict) -> None:
+        """Record figures of a lazy restore in its snapshot's restore_phases and drop the
+        ``done`` mark (``lazy_pending``, ``gpu_pending``)."""
+        try:
+            m = Manifest.load(folder)
+            m.extra["restore_phases"] = {**(m.extra.get("restore_phases") or {}), **phases}
+            m.extra.pop(done, None)
+            m.save(folder)
+        except (OSError, ValueError) as e:
+            self.log.warning("%s: cannot record the lazy restore of %s: %s", key, cid, e)
 
     async def _gpu_when_due(
         self, key: str, cid: str, pids: list[int], lr, gpu_bytes: int
@@ -319,6 +329,13 @@ class LazyRestoreMixin:
         m.extra["failed_at"] = time.time()
         m.save(folder)
         self.log.error("%s: checkpoint %s: %s", server_key(m.user, m.server), cid, m.error)
+
+
+def _full(restore_started: float | None) -> dict:
+    """``full_restore_s``: from the restore call until now (every page and GPU byte back)."""
+    if restore_started is None:
+        return {}
+    return {"full_restore_s": round(time.time() - restore_started, 3)}
 
 
 def _after_it_ran(error: Exception) -> str:
