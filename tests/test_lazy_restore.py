@@ -217,6 +217,11 @@ async def test_the_tree_answers_before_its_memory_is_back_and_the_memory_is_inta
     around = len(re.findall(r"fault-around: \d+ pages", log))
     assert asked > 0 and around > 0, "the daemon asked for no pages around its faults"
     assert stats["fault_requests"] == asked + around
+    # the dump's runs of pages (1 MiB each at most) are merged into ranges (patch 0007): the
+    # background transfer asks for up to 4 MiB at a time, fewer requests than MiB
+    sizes = [int(n) for n in re.findall(r"background: (\d+) pages", log)]
+    assert max(sizes) == 1024, f"the largest background request was {max(sizes)} pages"
+    assert stats["requests"] < lr.lazy_bytes >> 20, stats
     # nothing of the image was unpacked or copied but what CRIU restores eagerly
     staged = sum(p.stat().st_blocks * 512 for p in staging.glob("pages-*.img"))
     assert staged < 16 << 20, f"{staged} bytes of pages staged"
