@@ -8,8 +8,8 @@
 # GPU processes' thousands of page runs), lets the page server answer a page fault
 # before the background requests asked earlier, and asks for the pages around a fault
 # with it, and merges the dump's 1 MiB runs of pages into ranges (larger requests, at most
-# 8 MiB of them in flight), and lets go of 2 GiB or more that a process unmaps before it
-# came (upstream asked for it again for ever); and `criu dump` no longer makes a whole process eager when a
+# 8 MiB of them in flight), and lets go of memory a process unmaps before it came
+# (upstream could ask for it again for ever); and `criu dump` no longer makes a whole process eager when a
 # thread's stack pointer is on a page boundary (docs/lazy-restore.md).
 # Debian bookworm's packaged criu (3.17) fails `criu check` on kernels >= 6.13 and
 # 4.1 cannot dump TCP sockets there; 4.2 works. Idempotent: does nothing when a

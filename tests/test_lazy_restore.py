@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -255,18 +256,23 @@ async def test_memory_a_process_unmaps_before_it_came_is_let_go(
 ):
     """A process that unmaps 2 GiB or more of memory whose pages have not all come (a
     notebook deleting a large array right after its restore): the daemon lets that part
-    go and the rest comes (CRIU patch 0008; upstream's int length kept the ranges, every
-    copy into them failed and they were asked for again, for ever)."""
+    go, and the requests in flight for it, and the rest comes (CRIU patch 0008; upstream's
+    int length kept the ranges, and its walk of the unsorted requests in flight missed
+    some: every copy into them failed and they were asked for again, for ever; the
+    second one happened about one run in four here)."""
     backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "files",
                                                        program=BIG_HOLDER)  # fmt: skip
-    image = image_of(backend, m, folder, pool)
-    lr = await restore_lazily(image, staging, m, pool)
-    tree.pid = lr.pid
-    assert lr.lazy_bytes > (2112 + 190) << 20
-    await ask(tree.port, "free")
-    stats = await asyncio.wait_for(lr.done, 120)
-    assert stats["served_bytes"] < lr.lazy_bytes, "the unmapped memory was sent all the same"
-    assert (await ask(tree.port, "hash"))["now"] == before["digest"]
+    try:
+        image = image_of(backend, m, folder, pool)
+        lr = await restore_lazily(image, staging, m, pool)
+        tree.pid = lr.pid
+        assert lr.lazy_bytes > (2112 + 190) << 20
+        await ask(tree.port, "free")
+        stats = await asyncio.wait_for(lr.done, 120)
+        assert stats["served_bytes"] < lr.lazy_bytes, "the unmapped memory was sent all the same"
+        assert (await ask(tree.port, "hash"))["now"] == before["digest"]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # 2.3 GB of image
 
 
 async def test_a_process_that_forks_while_its_memory_arrives_gets_its_pages(
