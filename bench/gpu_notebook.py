@@ -663,8 +663,13 @@ async def gpusnap_run(
     say(f"{tag}: restore ({phases.get('mode', 'eager')}) complete after {full_restore:.2f} s")
     if LOGS_DIR and phases.get("mode") == "lazy":  # the daemon's log: every fault and request
         name = f"{gib:g}_{backend.storage}_lazy-pages.log"
+        log = backend.folder(info.id) / "lazy-pages.log"
+        for _ in range(100):  # copied there as the staging folder is cleared, just after
+            if log.is_file():
+                break
+            await asyncio.sleep(0.1)
         with contextlib.suppress(OSError):
-            shutil.copyfile(backend.folder(info.id) / "lazy-pages.log", Path(LOGS_DIR) / name)
+            shutil.copyfile(log, Path(LOGS_DIR) / name)
     say(f"{tag}: same kernel answered after {click:.2f} s (ready {ready_s:.2f} s, backend restore "
         f"{restore_s:.2f} s); checksum cell {first_tensor_cell:.2f} s, intact: {after == checksum}")  # fmt: skip
 

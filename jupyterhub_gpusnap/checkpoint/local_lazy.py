@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
 import time
 from pathlib import Path
@@ -172,8 +173,11 @@ class LazyRestoreMixin:
         return restored.pid, m.ip, m.port
 
     async def _unstage_lazy(self, folder: Path, images: Path) -> None:
+        """Keep the daemon's log in the checkpoint's folder (whole or not at all), clear the
+        staging folder."""
         with contextlib.suppress(OSError):
-            shutil.copyfile(images / lazy.LAZY_LOG, folder / lazy.LAZY_LOG)
+            shutil.copyfile(images / lazy.LAZY_LOG, folder / f"{lazy.LAZY_LOG}.part")
+            os.replace(folder / f"{lazy.LAZY_LOG}.part", folder / lazy.LAZY_LOG)
         await asyncio.to_thread(unstage, folder, images)
 
     async def _finish_lazy(
@@ -217,6 +221,11 @@ class LazyRestoreMixin:
                     except CheckpointError:
                         await self.kill_tree(tree_pids(lr.pid))
                         raise
+                    # every byte back: recorded now, not after the staging folder is cleared
+                    self._record_lazy(folder, key, cid, "gpu_pending", {
+                        "gpu_behind_s": gpu_done_s, "gpu_started_s": gpu_started_s,
+                        **_full(restore_started),
+                    })  # fmt: skip
             finally:
                 if gpu is not None:  # a page failed (the tree is gone) or the service stops
                     gpu.cancel()
@@ -237,11 +246,6 @@ class LazyRestoreMixin:
             self.log.error("%s: lazy restore of checkpoint %s ended with %r", key, cid, e)
             return
         lazy.LAZY_RESTORES.labels(result="ok").inc()
-        if gpu is not None:
-            self._record_lazy(folder, key, cid, "gpu_pending", {
-                "gpu_behind_s": gpu_done_s, "gpu_started_s": gpu_started_s,
-                **_full(restore_started),
-            })  # fmt: skip
         self.log.info(
             "%s: checkpoint %s: every page back after %.2fs (%.1f MiB served, %d requests)%s",
             key, cid, stats.get("all_in_s", 0), stats.get("served_bytes", 0) / 2**20,
