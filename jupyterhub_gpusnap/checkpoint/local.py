@@ -307,7 +307,8 @@ class LocalBackend(
         fetch what is not in yet ahead of the rest. 'after_pages': once every page is in
         (the driver reads memory that is all there; the full restore takes the two one after
         the other). 'at_once': as soon as the server is handed out (the driver's reads then
-        compete with the kernel's first page faults). Measured on an H100 in
+        compete with the kernel's first page faults: at 8 GiB the kernel answered after
+        10.4 s instead of 1.8 s). Used where restores run (the Hub); measured on an H100 in
         docs/lazy-restore.md ("GPU").""",
     ).tag(config=True)
 
