@@ -8,8 +8,9 @@
 # GPU processes' thousands of page runs), lets the page server answer a page fault
 # before the background requests asked earlier, and asks for the pages around a fault
 # with it, and merges the dump's 1 MiB runs of pages into ranges (larger requests, at most
-# 8 MiB of them in flight), and lets go of memory a process unmaps before it came
-# (upstream could ask for it again for ever); and `criu dump` no longer makes a whole process eager when a
+# 8 MiB of them in flight), lets go of memory a process unmaps before it came (upstream
+# could ask for it again for ever) and follows memory it moves (upstream could leave it
+# zero-filled); and `criu dump` no longer makes a whole process eager when a
 # thread's stack pointer is on a page boundary (docs/lazy-restore.md).
 # Debian bookworm's packaged criu (3.17) fails `criu check` on kernels >= 6.13 and
 # 4.1 cannot dump TCP sockets there; 4.2 works. Idempotent: does nothing when a
@@ -26,7 +27,7 @@ markers=('rlimit %d from /proc/%d/limits' '#PF at 0x%llx: asking for %llu bytes,
   'background: %lu pages at 0x%lx, up to %d requests in flight'
   'answer for 0x%lx of %lu taken ahead of %d earlier requests' 'fault-around: %lu pages at 0x%lx'
   'page at %lx holds a stack pointer: not lazy' 'runs of pages merged: the longest is %lu bytes'
-  'dropping %llu bytes of ranges at %llx')
+  'dropping %llu bytes of ranges at %llx' 'remap: %d requests in flight asked for again at the new place')
 have=$(criu --version 2>/dev/null | awk '/^Version:/{print $2}' || true)
 patched() {
   local m
