@@ -232,7 +232,18 @@ digest = hashlib""",
             region = new
         reply["moved"] = moved
         reply["now"] = hashlib.sha256(ctypes.string_at(region, size)).hexdigest()
+    elif cmd[0] == "dontneed":  # MADV_DONTNEED the first half: it reads zero-filled after
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        assert libc.madvise(region, size // 2, 4) == 0, ctypes.get_errno()
+        reply["zeros"] = ctypes.string_at(region, size // 2) == bytes(size // 2)
+        reply["rest"] = hashlib.sha256(ctypes.string_at(region + size // 2, size // 2)).hexdigest()
+        reply["rest_before"] = rest_before
     elif cmd[0] == "peek":""",
+)
+MOVING_HOLDER = MOVING_HOLDER.replace(
+    "moved = hashlib.sha256(ctypes.string_at(region, size)).hexdigest()",
+    """moved = hashlib.sha256(ctypes.string_at(region, size)).hexdigest()
+rest_before = hashlib.sha256(ctypes.string_at(region + size // 2, size // 2)).hexdigest()""",
 )
 
 
@@ -324,6 +335,28 @@ async def test_memory_a_process_moves_while_it_arrives_comes_to_its_new_place(
     stats = await asyncio.wait_for(lr.done, 120)
     assert lr.daemon.returncode == 0 and stats["served_bytes"] >= lr.lazy_bytes
     assert "REMAP" in (staging / lazy.LAZY_LOG).read_text(), "the mapping did not move lazily"
+    assert (await ask(tree.port, "hash"))["now"] == before["digest"]
+
+
+async def test_memory_a_process_gives_back_while_it_arrives_reads_zero_filled(
+    tmp_path, process_tree, staging, pool
+):
+    """A process that gives memory back whose pages have not all come (madvise
+    MADV_DONTNEED, as allocators do when they free): that memory reads zero-filled, as it
+    would without a restore, no page sent for it lands there, and the rest arrives. With
+    CRIU patches 0001-0006 the restore never finished in 3 runs of 4 (a request in flight
+    for the memory given back was missed and asked for again for ever; patch 0008)."""
+    backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "files",
+                                                       program=MOVING_HOLDER)  # fmt: skip
+    image = image_of(backend, m, folder, pool)
+    lr = await restore_lazily(image, staging, m, pool)
+    tree.pid = lr.pid
+    got = await ask(tree.port, "dontneed")
+    assert got["zeros"], "memory given back does not read zero-filled"
+    assert got["rest"] == got["rest_before"]
+    stats = await asyncio.wait_for(lr.done, 120)
+    assert lr.daemon.returncode == 0 and stats["served_bytes"] < lr.lazy_bytes
+    assert "REMOVE" in (staging / lazy.LAZY_LOG).read_text(), "no memory was given back lazily"
     assert (await ask(tree.port, "hash"))["now"] == before["digest"]
 
 
