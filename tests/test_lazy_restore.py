@@ -208,7 +208,7 @@ digest = hashlib""",
 
 #: The holder with 256 MiB more of random bytes in a mapping of its own, which ``move``
 #: moves elsewhere four times (mremap, as glibc's realloc of a large block does) and
-#: hashes there.
+#: hashes there, and ``dontneed`` half gives back (madvise MADV_DONTNEED).
 MOVING_HOLDER = HOLDER.replace(
     "digest = hashlib",
     """import ctypes
@@ -216,11 +216,13 @@ libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = libc.mremap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 size = 256 << 20
 region = libc.mmap(None, size, 3, 0x22, -1, 0)  # PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS
 for i in range(0, size, 1 << 20):
     ctypes.memmove(region + i, os.urandom(1 << 20), 1 << 20)
 moved = hashlib.sha256(ctypes.string_at(region, size)).hexdigest()
+rest_before = hashlib.sha256(ctypes.string_at(region + size // 2, size // 2)).hexdigest()
 digest = hashlib""",
 ).replace(
     """    elif cmd[0] == "peek":""",
@@ -233,17 +235,11 @@ digest = hashlib""",
         reply["moved"] = moved
         reply["now"] = hashlib.sha256(ctypes.string_at(region, size)).hexdigest()
     elif cmd[0] == "dontneed":  # MADV_DONTNEED the first half: it reads zero-filled after
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         assert libc.madvise(region, size // 2, 4) == 0, ctypes.get_errno()
         reply["zeros"] = ctypes.string_at(region, size // 2) == bytes(size // 2)
         reply["rest"] = hashlib.sha256(ctypes.string_at(region + size // 2, size // 2)).hexdigest()
         reply["rest_before"] = rest_before
     elif cmd[0] == "peek":""",
-)
-MOVING_HOLDER = MOVING_HOLDER.replace(
-    "moved = hashlib.sha256(ctypes.string_at(region, size)).hexdigest()",
-    """moved = hashlib.sha256(ctypes.string_at(region, size)).hexdigest()
-rest_before = hashlib.sha256(ctypes.string_at(region + size // 2, size // 2)).hexdigest()""",
 )
 
 
@@ -456,6 +452,19 @@ async def gpu_snapshot(tmp_path, process_tree):
     return backend, tree, folder, before
 
 
+async def restore_with_driver(backend, tree, folder, driver, when: str = "after_pages"):
+    """Restore :func:`gpu_snapshot`'s snapshot lazily with ``driver`` standing in for the
+    CUDA driver, ``lazy_gpu_restore = when``; (the backend, the checkpoint id, the pids
+    of the restored tree)."""
+    lazyb = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0,
+                         storage="chunks", restore_mode="lazy", lazy_gpu_restore=when)  # fmt: skip
+    lazyb.cuda = lambda: driver
+    cid = lazyb._id(folder)
+    pid = (await asyncio.wait_for(lazyb.restore(await lazyb.get(cid)), 120)).pid
+    tree.pid = pid
+    return lazyb, cid, tree_pids(pid)
+
+
 @pytest.mark.parametrize(
     "when, gpu_fails",
     [("after_pages", False), ("after_pages", True), ("overlap", False), ("at_once", False)],
@@ -478,14 +487,8 @@ async def test_gpu_memory_comes_back_behind_the_first_answer(
     m.save(folder)
     why = "cuCheckpointProcessRestore failed: CUDA_ERROR_OUT_OF_MEMORY (2)" if gpu_fails else ""
     driver = StandInDriver(fail=why)
-    lazyb = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0,
-                         storage="chunks", restore_mode="lazy", lazy_gpu_restore=when)  # fmt: skip
-    lazyb.cuda = lambda: driver
     failed = lazy.LAZY_RESTORES.labels(result="failed")._value.get()
-    cid = lazyb._id(folder)
-    pid = (await asyncio.wait_for(lazyb.restore(await lazyb.get(cid)), 120)).pid
-    tree.pid = pid
-    pids = tree_pids(pid)
+    lazyb, cid, pids = await restore_with_driver(backend, tree, folder, driver, when)
     # handed out with the GPU memory still to come back
     assert (await ask(tree.port, "get"))["digest"] == before["digest"]
     await asyncio.wait_for(driver.called.wait(), 30)
@@ -527,13 +530,7 @@ async def test_a_gpu_restore_failing_while_pages_arrive_stops_the_tree(tmp_path,
     backend, tree, folder, before = await gpu_snapshot(tmp_path, process_tree)
     driver = StandInDriver(fail="cuCheckpointProcessRestore failed: CUDA_ERROR_UNKNOWN (999)")
     driver.go.set()
-    lazyb = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0,
-                         storage="chunks", restore_mode="lazy", lazy_gpu_restore="at_once")  # fmt: skip
-    lazyb.cuda = lambda: driver
-    cid = lazyb._id(folder)
-    pid = (await asyncio.wait_for(lazyb.restore(await lazyb.get(cid)), 120)).pid
-    tree.pid = pid
-    pids = tree_pids(pid)
+    lazyb, cid, pids = await restore_with_driver(backend, tree, folder, driver, "at_once")
     await asyncio.wait_for(lazyb.lazy_restores[cid], 120)
     m = Manifest.load(folder)
     assert m.status == "failed" and "CUDA_ERROR_UNKNOWN" in m.error, m.error
@@ -551,13 +548,7 @@ async def test_a_damaged_page_while_the_gpu_memory_is_restored_names_the_page(
     m = Manifest.load(folder)
     named = damage_a_lazy_page(backend, m, folder, before, image_of(backend, m, folder, pool), pool)
     driver = StandInDriver()  # never told to go: its restore runs until it is abandoned
-    lazyb = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0,
-                         storage="chunks", restore_mode="lazy", lazy_gpu_restore="at_once")  # fmt: skip
-    lazyb.cuda = lambda: driver
-    cid = lazyb._id(folder)
-    pid = (await asyncio.wait_for(lazyb.restore(await lazyb.get(cid)), 120)).pid
-    tree.pid = pid
-    pids = tree_pids(pid)
+    lazyb, cid, pids = await restore_with_driver(backend, tree, folder, driver, "at_once")
     await asyncio.wait_for(lazyb.lazy_restores[cid], 120)
     assert driver.called.is_set()
     m = Manifest.load(folder)
