@@ -184,6 +184,90 @@ def gone_mounts(pid: int) -> list[str]:
     return sorted(gone, key=lambda p: (-p.count("/"), p))
 
 
+def mount_points(pid: int) -> list[list]:
+    """Every mount point of the mount namespace of ``pid`` but its root, shallowest first,
+    each ``[path, is_dir]``: what a restore binds again from the host. Kept in the
+    checkpoint's manifest, so that a restore can stand in for one the host has lost since
+    (:func:`stand_in`). Empty if ``pid`` shares this process's mount namespace."""
+    if not own_mount_namespace(pid):
+        return []
+    try:
+        points = set(_mount_ids(pid).values()) - {"/"}
+    except (OSError, ValueError, IndexError):
+        return []
+    return [
+        [path, os.path.isdir(f"/proc/{pid}/root{path}")]
+        for path in sorted((_unescape(p) for p in points), key=lambda p: (p.count("/"), p))
+    ]
+
+
+def stand_in(points: list) -> tuple[list[str], list[str], list[str]]:
+    """Before a restore: an empty folder (or file) where a mount point of ``points``
+    (:func:`mount_points`) is missing on the host.
+
+    A mount the host had when the server was checkpointed can be gone at its restore:
+    another container's root file system on the same machine, a login session's
+    ``/run/user/<uid>``. CRIU binds every mount of the namespace again from the host, by
+    its path, and fails on a path that is not there ("Can't stat mountpoint"). When
+    nothing of the server used what was mounted there, an empty folder lets the restore
+    go on; when something did, CRIU still fails on the file it cannot find, as before.
+
+    Returns what was made (folders and files, in the order made: remove them with
+    :func:`remove_stand_ins` once the restore has bound them), the mount points stood in
+    for, and the ones that could not be made, each with the reason.
+    """
+    made: list[str] = []
+    stood: list[str] = []
+    problems: list[str] = []
+    for entry in points:
+        try:
+            path, is_dir = str(entry[0]), bool(entry[1])
+        except (TypeError, IndexError, KeyError):
+            problems.append(f"{entry!r}: not a [path, is_dir] pair")
+            continue
+        if not path.startswith("/") or os.path.normpath(path) != path:
+            problems.append(f"{path!r}: not an absolute, normalised path")
+            continue
+        if os.path.lexists(path):
+            continue
+        missing = []
+        parent = os.path.dirname(path)
+        while not os.path.lexists(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        try:
+            for folder in reversed(missing):
+                os.mkdir(folder, 0o700)
+                made.append(folder)
+            if is_dir:
+                os.mkdir(path, 0o700)
+            else:
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+            made.append(path)
+            stood.append(path)
+        except OSError as e:
+            problems.append(f"{path}: {e}")
+    return made, stood, problems
+
+
+def remove_stand_ins(made: list[str]) -> list[str]:
+    """After a restore: remove what :func:`stand_in` made, deepest first (a folder the
+    restored namespace mounts on is detached there: nothing of the server used it). The
+    ones that could not be removed, each with the reason."""
+    failed = []
+    for path in reversed(made):
+        try:
+            if os.path.isdir(path) and not os.path.islink(path):
+                os.rmdir(path)
+            else:
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            failed.append(f"{path}: {e}")
+    return failed
+
+
 def users_of(pids: list[int], mount_points: list[str]) -> list[str]:
     """What processes of ``pids`` hold under ``mount_points`` (open files, working or root
     folder, mapped files): those mounts cannot be detached."""

@@ -641,6 +641,70 @@ async def test_a_mount_the_host_dropped_while_the_server_ran_is_detached_not_a_f
     )
 
 
+def test_stand_ins_are_made_only_where_a_mount_point_is_missing_and_removed_after(tmp_path):
+    there = tmp_path / "there"
+    there.mkdir()
+    folder, file = tmp_path / "a" / "b" / "rootfs", tmp_path / "etc" / "resolv.conf"
+    points = [[str(there), True], [str(folder), True], [str(file), False], ["rel/x", True],
+              [str(tmp_path / "a" / ".." / "up"), True]]  # fmt: skip
+    made, stood, problems = sandbox.stand_in(points)
+    assert stood == [str(folder), str(file)]
+    assert made == [str(tmp_path / "a"), str(tmp_path / "a" / "b"), str(folder),
+                    str(tmp_path / "etc"), str(file)]  # fmt: skip
+    assert folder.is_dir() and file.is_file() and file.stat().st_mode & 0o777 == 0o600
+    assert (folder.stat().st_mode & 0o777) == 0o700
+    assert len(problems) == 2 and all("not an absolute, normalised path" in p for p in problems)
+    assert not (tmp_path / "up").exists()
+    assert sandbox.remove_stand_ins(made) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["there"]
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("restore_mode", ["eager", "lazy"])
+async def test_a_mount_the_host_drops_after_the_checkpoint_is_stood_in_for(
+    sandboxed, tmp_path, restore_mode, caplog
+):
+    # Another container ran beside the server (its overlay root at .../bundle/rootfs)
+    # when the server was checkpointed, and is gone, bundle and all, when it is restored.
+    # CRIU binds every mount of the namespace again by its path ("Can't stat mountpoint"
+    # without a stand-in); nothing of the server used it, so an empty folder stands in.
+    backend = LocalBackend(
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        min_free_bytes=0,
+        port_wait_timeout=2,
+        restore_mode=restore_mode,
+    )
+    bundle = tmp_path / "bundle"
+    where = bundle / "rootfs"
+    where.mkdir(parents=True)
+    mount_tmpfs(where)
+    try:
+        sb, port = python_server(sandboxed)
+        before = await aask(port, "inc")
+        info = await backend.checkpoint(Server(user="alice", name="", state={"pid": sb.init}))
+        assert info.status == "verified"
+        sb.wait()
+    finally:
+        subprocess.run(["umount", str(where)], check=True)
+    assert [str(where), True] in Manifest.load(backend.folder(info.id)).extra["mount_points"]
+    if info.id in backend.page_sums:  # a lazy restore needs the page sums, written after
+        await backend.page_sums[info.id]
+    subprocess.run(["rm", "-r", str(bundle)], check=True)
+    caplog.set_level("INFO")
+    restored = await backend.restore(info)
+    sb.adopt(restored.pid)
+    after = await aask(port, "get")
+    assert after["secret"] == before["secret"] and after["count"] == 1
+    assert "an empty folder stands in for each during the restore: " + str(where) in caplog.text
+    m = Manifest.load(backend.folder(info.id))
+    assert m.extra["mounts_stood_in"] == [str(where)]
+    assert m.extra["restore_phases"].get("mode", "eager") == restore_mode
+    # what stood in is gone from the host again, and from the restored namespace with it
+    assert not bundle.exists()
+    assert sandbox.gone_mounts(restored.pid) == [], sandbox._mount_ids(restored.pid)
+    assert (await aask(port, "inc"))["count"] == 2
+
+
 @pytest.mark.criu
 async def test_a_path_the_host_mounts_anew_is_left_alone(sandboxed, backend, host_tmpfs):
     # Another file system at the same path now (or the service's own private /tmp): not

@@ -112,13 +112,14 @@ class LazyRestoreMixin:
         m.save(folder)
         t = time.monotonic()
         try:
-            lr = await lazy.restore(
-                image, images, folder / "restore.pid", pool=self.pool, criu_path=self.criu_path,
-                tcp=m.tcp_mode, shell_job=m.shell_job,
-                extra=[*sandbox.restore_args(bool(m.extra.get("mount_namespace"))),
-                       *self.restore_extra_args],
-                timeout=timeout,
-            )  # fmt: skip
+            with self._mounts_stood_in(m, key):
+                lr = await lazy.restore(
+                    image, images, folder / "restore.pid", pool=self.pool,
+                    criu_path=self.criu_path, tcp=m.tcp_mode, shell_job=m.shell_job,
+                    extra=[*sandbox.restore_args(bool(m.extra.get("mount_namespace"))),
+                           *self.restore_extra_args],
+                    timeout=timeout,
+                )  # fmt: skip
         except CheckpointError as e:
             # nothing runs: the eager restore checks the whole image and decides, as always
             unstage(folder, images)

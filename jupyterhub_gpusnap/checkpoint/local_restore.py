@@ -9,6 +9,7 @@ wait for the suspended server's old processes and port. The lazy restore is
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from pathlib import Path
 
@@ -156,19 +157,20 @@ class LocalRestoreMixin:
         m.save(folder)
         t = time.monotonic()
         try:
-            restored = await criu.restore(
-                source.images,
-                folder / "restore.pid",
-                criu=self.criu_path,
-                tcp=m.tcp_mode,
-                shell_job=m.shell_job,
-                extra=[
-                    *sandbox.restore_args(bool(m.extra.get("mount_namespace"))),
-                    *self.restore_extra_args,
-                    *(["--stream"] if streamer else []),
-                ],
-                timeout=job.timeout,
-            )
+            with self._mounts_stood_in(m, key):
+                restored = await criu.restore(
+                    source.images,
+                    folder / "restore.pid",
+                    criu=self.criu_path,
+                    tcp=m.tcp_mode,
+                    shell_job=m.shell_job,
+                    extra=[
+                        *sandbox.restore_args(bool(m.extra.get("mount_namespace"))),
+                        *self.restore_extra_args,
+                        *(["--stream"] if streamer else []),
+                    ],
+                    timeout=job.timeout,
+                )
         except CheckpointError as e:
             # A damaged page file is the likelier cause of a failed restore: say so.
             try:
@@ -235,6 +237,40 @@ class LocalRestoreMixin:
             m.port,
         )
         return restored.pid, m.ip, m.port
+
+    @contextlib.contextmanager
+    def _mounts_stood_in(self, m: Manifest, key: str):
+        """Around ``criu restore``: empty folders where mount points of the server's
+        namespace are missing on the host (:func:`~jupyterhub_gpusnap.sandbox.stand_in`),
+        removed once CRIU has bound them. The mount points stood in for are kept in
+        the manifest (``mounts_stood_in``) and logged."""
+        made, stood, problems = sandbox.stand_in(m.extra.get("mount_points") or [])
+        if stood:
+            m.extra["mounts_stood_in"] = stood
+            self.log.warning(
+                "%s: the host no longer has %d mount point(s) the server's namespace had at "
+                "its checkpoint; an empty folder stands in for each during the restore: %s",
+                key,
+                len(stood),
+                ", ".join(stood[:5]),
+            )
+        if problems:
+            self.log.warning(
+                "%s: cannot stand in for mount points missing on the host (the restore will "
+                "fail on them; mount them on the host again): %s",
+                key,
+                "; ".join(problems[:5]),
+            )
+        try:
+            yield stood
+        finally:
+            failed = sandbox.remove_stand_ins(made)
+            if failed:
+                self.log.warning(
+                    "%s: cannot remove what stood in for missing mount points: %s",
+                    key,
+                    "; ".join(failed[:5]),
+                )
 
     async def _end_restored(self, restored: criu.Restored) -> None:
         """Kill a restored tree that must not be handed out, and let its criu exit."""

@@ -225,6 +225,8 @@ class LocalSuspendMixin:
         m.extra["tree"] = pids
         m.extra["started"] = boot_clock()  # processes older than this are the suspended server
         m.extra["mount_namespace"] = sandbox.own_mount_namespace(pid)
+        # what the restore binds again from the host (after the gone ones were detached)
+        m.extra["mount_points"] = sandbox.mount_points(pid)
         m.extra["gpu_devices"] = list(inv.get("gpu_devices", []))
         # Not fsync'ed: it must outlive a crash of the service (recover() then resumes the
         # tree); a crash of the machine loses the suspended GPU state anyway.
