@@ -28,7 +28,7 @@ import psutil
 import pytest
 
 from jupyterhub_gpusnap import sandbox
-from jupyterhub_gpusnap.checkpoint import CheckpointError, lazy
+from jupyterhub_gpusnap.checkpoint import CheckpointError, criu, lazy
 from jupyterhub_gpusnap.checkpoint.chunks import STORE
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest, is_pages_file
@@ -417,6 +417,41 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
     await LocalBackend(checkpoint_dir=backend.checkpoint_dir).recover()
     m = Manifest.load(folder)
     assert m.status == "failed" and "(the Hub) stopped before every page was in" in m.error
+
+
+async def test_a_criu_without_the_lazy_patches_restores_eagerly_naming_them(
+    tmp_path, process_tree, caplog
+):
+    """Upstream CRIU's lazy-pages daemon hands a process that moves memory while its pages
+    arrive zero-filled pages at the new place (patch 0009): with such a CRIU the restore is
+    eager, logged with the patches missing and the fix, and counted."""
+    backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "chunks")
+    wrapper = tmp_path / "criu-wrapper"  # the same CRIU, but not a binary that has them
+    wrapper.write_text(f'#!/bin/sh\nexec {criu.find_criu()} "$@"\n')
+    wrapper.chmod(0o755)
+    assert criu.lazy_patches_missing(str(wrapper)) == list(criu.LAZY_PATCHES)
+    assert criu.lazy_patches_missing() == []  # the one .ci/install-criu.sh built
+    lazyb = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0,
+                         restore_mode="lazy", criu_path=str(wrapper))  # fmt: skip
+    eager = lazy.LAZY_RESTORES.labels(result="eager")._value.get()
+    caplog.set_level("WARNING")
+    tree.pid = (await lazyb.restore(await lazyb.get(lazyb._id(folder)))).pid
+    assert "mode" not in Manifest.load(folder).extra["restore_phases"]  # eager
+    assert (await ask(tree.port, "hash"))["now"] == before["digest"]
+    assert lazy.LAZY_RESTORES.labels(result="eager")._value.get() == eager + 1
+    assert f"{wrapper} lacks the lazy-restore patches 0002, 0003" in caplog.text
+    assert "install CRIU with .ci/install-criu.sh" in caplog.text
+
+
+def test_the_lazy_patches_are_the_ones_install_criu_builds_and_checks():
+    ci = Path(__file__).resolve().parent.parent / ".ci"
+    script = (ci / "install-criu.sh").read_text()
+    names = {p.name.removesuffix(".patch") for p in (ci / "criu-patches").glob("*.patch")}
+    for name, marker in criu.LAZY_PATCHES.items():
+        assert name in names, f"{name}.patch is not in .ci/criu-patches"
+        assert f"'{marker}'" in script, f"install-criu.sh does not check for {name}'s marker"
+    lazy_names = {n for n in names if "lazy" in n}
+    assert lazy_names == set(criu.LAZY_PATCHES), "a lazy-pages patch is not in LAZY_PATCHES"
 
 
 class StandInDriver:

@@ -454,6 +454,44 @@ def limits_unreadable(pids: list[int], criu: str = "") -> str:
     return ""
 
 
+#: The lazy-restore patches of .ci/criu-patches, each with a message of its own that a
+#: CRIU built with it holds (.ci/install-criu.sh checks the same strings). Without them a
+#: lazy restore is slow (0002-0005, 0007) or wrong: a process that moves or gives back
+#: memory while its pages arrive never finishes (0008) or reads zero-filled pages at the
+#: new place (0009); a stack page left lazy (0006).
+LAZY_PATCHES = {
+    "0002-lazy-pages-larger-transfers": "#PF at 0x%llx: asking for %llu bytes, background stays at %lu",
+    "0003-lazy-pages-pipelined-transfer": "background: %lu pages at 0x%lx, up to %d requests in flight",
+    "0004-lazy-pages-faults-first": "answer for 0x%lx of %lu taken ahead of %d earlier requests",
+    "0005-lazy-pages-fault-around": "fault-around: %lu pages at 0x%lx",
+    "0006-mem-lazy-stack-page": "page at %lx holds a stack pointer: not lazy",
+    "0007-lazy-pages-merged-runs": "runs of pages merged: the longest is %lu bytes",
+    "0008-lazy-pages-drop-unmapped-ranges": "dropping %llu bytes of ranges at %llx",
+    "0009-lazy-pages-remap-requests-in-flight": "remap: %d requests in flight asked for again at the new place",
+}  # fmt: skip
+
+_lazy_missing: dict[tuple, list[str]] = {}
+
+
+def lazy_patches_missing(criu: str = "") -> list[str]:
+    """The patches of :data:`LAZY_PATCHES` the criu binary lacks (all of them when it cannot
+    be found or read). Read from the binary once per path, size and change time."""
+    binary = find_criu(criu)
+    if not binary:
+        return list(LAZY_PATCHES)
+    try:
+        real = os.path.realpath(binary)
+        st = os.stat(real)
+        key = (real, st.st_size, st.st_mtime_ns)
+        if key not in _lazy_missing:
+            with open(real, "rb") as f:
+                data = f.read()
+            _lazy_missing[key] = [n for n, m in LAZY_PATCHES.items() if m.encode() not in data]
+        return list(_lazy_missing[key])
+    except OSError:
+        return list(LAZY_PATCHES)
+
+
 async def start_lazy_pages(
     directory: Path | str,
     ps_socket: int,

@@ -291,8 +291,9 @@ class LocalBackend(
         checkpoint is marked failed naming the damaged block or chunk, and the next start is
         a fresh server. GPU memory comes back behind the server's first answer (a cell
         that touches the GPU waits for it; see lazy_gpu_restore). Falls back to an eager
-        restore (logged) when the checkpoint has no page checksums or CRIU cannot restore
-        lazily (needs 'criu check --feature uffd-noncoop').
+        restore (logged) when the checkpoint has no page checksums, when CRIU lacks the
+        lazy-restore patches of .ci/criu-patches (install it with .ci/install-criu.sh), or
+        when it cannot restore lazily (needs 'criu check --feature uffd-noncoop').
         Set it the same in the service's and the Hub's configuration
         (docs/lazy-restore.md).""",
     ).tag(config=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 from .. import sandbox
 from ..model import server_key
 from ..procs import boot_clock, is_alive, tree_pids
-from . import lazy
+from . import criu, lazy
 from .base import CheckpointError
 from .image_store import stream_dir, unstage
 from .manifest import Manifest, is_pages_file
@@ -96,7 +96,19 @@ class LazyRestoreMixin:
     ) -> tuple[int, str, int] | None:
         """restore_mode = 'lazy': run the tree now, its memory following (lazy.py); None when
         it must be restored eagerly instead (logged; nothing was started)."""
-        image, why = self._lazy_image(folder, m, key, info.id)
+        missing = criu.lazy_patches_missing(self.criu_path)
+        if missing:
+            image, why = (
+                None,
+                (
+                    f"{criu.find_criu(self.criu_path) or 'criu'} lacks the lazy-restore patches "
+                    f"{', '.join(p[:4] for p in missing)} of .ci/criu-patches (without them a "
+                    "process that moves memory while its pages arrive can read wrong pages): "
+                    "install CRIU with .ci/install-criu.sh"
+                ),
+            )
+        else:
+            image, why = self._lazy_image(folder, m, key, info.id)
         images = None
         if image is not None:
             try:
