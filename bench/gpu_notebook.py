@@ -1110,7 +1110,8 @@ async def measure(
     gpu = Gpu()
     cuda = CudaCheckpoint()
     ckpt = root / "checkpoints"
-    settings = settings or {}
+    # against the bare recipe's eager restore: eager too, unless --backend says otherwise
+    settings = {"restore_mode": "eager", **(settings or {})}
     backend = LocalBackend(checkpoint_dir=str(ckpt), min_free_bytes=0, **settings)
     await backend.setup()
     for old in await backend.list(pw.pw_name):  # a run cut short before leaves its image here
@@ -1122,7 +1123,7 @@ async def measure(
     config = HUB_CONFIG.format(
         ckpt=str(ckpt), restore_timeout=int(120 + 8 * big), start_timeout=int(180 + 8 * big),
         server_args=SERVER_ARGS,
-    )  # fmt: skip
+    ) + "".join(f"c.LocalBackend.{k} = {v!r}\n" for k, v in settings.items())  # fmt: skip
     hub = RealHub(Path(tempfile.mkdtemp(dir=root, prefix="hub-")), config, start_timeout=120)
     live: list[BareServer] = []
     rows: list[dict] = []

@@ -294,6 +294,7 @@ async def main(sizes: list[float], root: Path, repeat: int, gpus: int, storage: 
         min_free_bytes=0,
         keep_last=1,
         storage=storage,
+        restore_mode="eager",  # against the bare recipe's eager restore
     )
     await backend.setup()
     disk = disk_write_gbps(root)

@@ -237,7 +237,7 @@ async def main(gib: float, kinds: list[str], root: Path, level: int, name: str) 
         sys.exit("criu not found: install it with .ci/install-criu.sh")
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
-    common = dict(criu_path=criu, min_free_bytes=0, keep_last=10)
+    common = dict(criu_path=criu, min_free_bytes=0, keep_last=10, restore_mode="eager")
     files = LocalBackend(checkpoint_dir=str(root / "files"), storage="files", **common)
     chunks = LocalBackend(
         checkpoint_dir=str(root / "chunks"), storage="chunks", compression_level=level, **common

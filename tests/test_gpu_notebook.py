@@ -5,8 +5,9 @@ through a real SMTP server; the local CRIU backend with the CUDA driver's checkp
 spawner docs/install.md recommends (``SnapLocalProcessSpawner``) with a real Unix user,
 ``jupyterhub-singleuser`` found by the spawner, and a real kernel that puts torch tensors
 on the GPU through the proxy. The server goes idle, is warned, checkpointed (the GPU memory
-is free, by NVML) and stopped; the user starts it again; the same kernel answers with the
-same tensor checksum and can use the GPU.
+is free, by NVML) and stopped; the user starts it again and, by default, gets it back lazily
+(restore_mode = "auto"); the same kernel answers with the same tensor checksum and can use
+the GPU.
 
 The host's root may lack CAP_SYS_RESOURCE (the GPU test machine's does): the CRIU that
 .ci/install-criu.sh builds then reads the user's resource limits from /proc (see
@@ -20,6 +21,9 @@ import pwd
 import pynvml
 import pytest
 
+from jupyterhub_gpusnap.checkpoint.local import LocalBackend
+from jupyterhub_gpusnap.checkpoint.manifest import Manifest, is_pages_file
+from jupyterhub_gpusnap.checkpoint.page_sums import sums_name
 from jupyterhub_gpusnap.procs import tree_pids
 from tests.helpers.gpu_notebook import ALLOCATE, GiB, gpu_used
 from tests.helpers.gpusnap_service import GpuSnapService
@@ -80,6 +84,16 @@ c.{spawner}.restore_timeout = 120
         warned = [m for m in smtp.messages if m.rcpt_tos == [f"{user}@example.org"]]
         assert warned and "suspend" in warned[0].subject.lower(), [m.subject for m in warned]
         assert status["checkpoint_id"]
+        # a GPU notebook's checkpoint (2 GiB and more) is restored lazily by default, once
+        # its page sums are written (a restore that comes before them is eager)
+        folder = LocalBackend(checkpoint_dir=str(ckpt)).folder(status["checkpoint_id"])
+        m = Manifest.load(folder)
+        assert m.image_bytes >= 2 * GiB and m.storage == "files", (m.image_bytes, m.storage)
+
+        async def page_sums():
+            return all((folder / sums_name(n)).is_file() for n in m.files if is_pages_file(n))
+
+        await service.wait_for(page_sums, timeout=60, what="the page sums")
 
         # the user comes back: same kernel, same tensors, the GPU usable
         await hub.start_server(user, timeout=240)
@@ -94,6 +108,8 @@ c.{spawner}.restore_timeout = 120
         assert (got, x, gpu_ok) == (checksum, "42", "True")
         used_back, holders_back = gpu_used()
         assert used_back - before_alloc >= GiB
+        phases = Manifest.load(folder).extra["restore_phases"]
+        assert phases["mode"] == "lazy" and phases["lazy_bytes"] >= GiB, phases
     finally:
         await service.stop()
         smtp.stop()

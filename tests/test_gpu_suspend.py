@@ -18,7 +18,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("storage", ["files", "chunks"])
 async def test_gpu_process_suspended_and_restored_bit_identical(tmp_path, storage):
-    """``chunks``: restored through CRIU's image streamer from compressed chunks."""
+    """Eagerly (a lazy restore of a GPU process: tests/test_gpu_lazy_restore.py);
+    ``chunks``: restored through CRIU's image streamer from compressed chunks."""
     nvml = Nvml()
     assert nvml.open(), "NVML is needed for this test"
     backend = LocalBackend(
@@ -26,6 +27,7 @@ async def test_gpu_process_suspended_and_restored_bit_identical(tmp_path, storag
         criu_path=find_criu(),
         min_free_bytes=0,
         storage=storage,
+        restore_mode="eager",
     )
     await backend.setup()
     holder = Holder(1, tmp_path)
@@ -43,6 +45,7 @@ async def test_gpu_process_suspended_and_restored_bit_identical(tmp_path, storag
         assert holder.checksum(pid) == before
         restored = await backend.get(info.id)
         assert restored.status == "restored" and restored.extra["storage"] == storage
+        assert "mode" not in restored.extra["restore_phases"]  # eager
     finally:
         kill(pid)
 

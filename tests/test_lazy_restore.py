@@ -419,6 +419,38 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
     assert m.status == "failed" and "(the Hub) stopped before every page was in" in m.error
 
 
+async def test_auto_restores_lazily_from_lazy_restore_min_bytes_of_image(tmp_path, process_tree):
+    """restore_mode = "auto" (the default): a checkpoint smaller than lazy_restore_min_bytes
+    gets no page sums and restores eagerly; one of that size or more gets them after its
+    suspension and restores lazily."""
+    assert (
+        LocalBackend().restore_mode == "auto" and LocalBackend().lazy_restore_min_bytes == 1 << 30
+    )
+    backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "files")
+    assert 190 << 20 < m.image_bytes < 1 << 30
+    assert not backend.page_sums and not list(folder.glob(sums_name("*")))
+    tree.pid = (await backend.restore(await backend.get(backend._id(folder)))).pid
+    assert "mode" not in Manifest.load(folder).extra["restore_phases"]  # eager
+    assert (await ask(tree.port, "hash"))["now"] == before["digest"]
+
+    autob = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0,
+                         lazy_restore_min_bytes=m.image_bytes // 2)  # fmt: skip
+    info = await autob.checkpoint(Server(user="alice", name="", state={"pid": tree.pid}))
+    task = autob.page_sums.get(info.id)  # gone from there once done
+    if task is not None:
+        assert await task
+    folder = autob.folder(info.id)
+    assert all((folder / sums_name(n)).is_file() for n in m.files if is_pages_file(n))
+    tree.pid = (await autob.restore(await autob.get(info.id))).pid
+    assert Manifest.load(folder).extra["restore_phases"]["mode"] == "lazy"
+    assert (await ask(tree.port, "hash"))["now"] == before["digest"]
+    task = autob.lazy_restores.get(info.id)
+    if task is not None:
+        await task
+    m = Manifest.load(folder)
+    assert m.status == "restored" and "lazy_pending" not in m.extra and not autob.lazy_restores
+
+
 async def test_a_criu_without_the_lazy_patches_restores_eagerly_naming_them(
     tmp_path, process_tree, caplog
 ):

@@ -66,16 +66,17 @@ RATE_AFTER = 64 << 20
 #: in the service's registry (/services/<name>/metrics): the service writes the sums
 PAGE_SUMS_FAILED = Counter(
     "gpusnap_page_sums_failures",
-    "Suspensions (LocalBackend.restore_mode = 'lazy', storage = 'files') whose page checksums "
-    "could not be written; their snapshot restores eagerly.",
+    "Suspensions (storage = 'files', restored lazily: LocalBackend.restore_mode) whose page "
+    "checksums could not be written; their snapshot restores eagerly.",
     registry=REGISTRY,
 )
 #: in the default registry: restores run in the Hub, which serves it at /hub/metrics
 LAZY_RESTORES = Counter(
     "gpusnap_lazy_restores",
-    "Restores with LocalBackend.restore_mode = 'lazy', by result: ok (every page back), failed "
+    "Restores tried lazily (LocalBackend.restore_mode), by result: ok (every page back), failed "
     "(the restored server was killed: a damaged page, or the page transfer ended; its snapshot "
-    "is marked failed), eager (restored eagerly instead: no page checksums, or CRIU could not).",
+    "is marked failed), eager (restored eagerly instead: no page checksums, a CRIU without the "
+    "lazy-restore patches, or CRIU could not).",
     ["result"],
 )
 

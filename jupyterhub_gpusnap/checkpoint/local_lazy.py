@@ -1,5 +1,5 @@
-"""Lazy restore for :class:`~.local.LocalBackend` (``restore_mode = "lazy"``,
-docs/lazy-restore.md): the restored tree runs before its memory is back, each page checked
+"""Lazy restore for :class:`~.local.LocalBackend` (``restore_mode = "lazy"``, or
+``"auto"`` for large images; docs/lazy-restore.md): the restored tree runs before its memory is back, each page checked
 as it arrives (:mod:`.lazy`); its GPU memory comes back behind the first answer.
 
 Here: the page checksums a lazy restore of a ``files`` checkpoint needs (written in the
@@ -88,8 +88,16 @@ class LazyRestoreMixin:
         ]  # fmt: skip
         if missing:
             return None, (f"no page checksums for {', '.join(missing[:3])} (written in the "
-                          "background after a suspension with restore_mode = 'lazy')")  # fmt: skip
+                          "background after the suspension; not yet, or not for a checkpoint the "
+                          "service took for an eager restore: restore_mode)")  # fmt: skip
         return lazy.FilesImage(folder, m.files, m.sizes, m.chunk_bytes), ""
+
+    def restores_lazily(self, m: Manifest) -> bool:
+        """Whether a restore of ``m`` tries the lazy path (``restore_mode``; with 'auto',
+        from ``lazy_restore_min_bytes`` of image on)."""
+        if self.restore_mode == "auto":
+            return m.image_bytes >= self.lazy_restore_min_bytes
+        return self.restore_mode == "lazy"
 
     async def _restore_lazily(
         self, info, folder: Path, m: Manifest, key: str, restore_started: float, timeout: float

@@ -66,7 +66,7 @@ class LocalRestoreMixin:
             if why:
                 raise CheckpointError(f"{key}: checkpoint {info.id} cannot be restored here: {why}")
 
-        if self.restore_mode == "lazy":
+        if self.restores_lazily(m):
             done = await self._restore_lazily(info, folder, m, key, restore_started, timeout)
             if done is not None:
                 return done

@@ -309,7 +309,7 @@ class LocalSuspendMixin:
             return
         await self.kill_tree(s.pids)
         self.image_store(m.storage).after_verified(folder)
-        if m.storage == "files" and self.restore_mode == "lazy":
+        if m.storage == "files" and self.restores_lazily(m):
             # nobody waits for them: a restore that comes first is eager
             cid = self._id(folder)
             self.page_sums[cid] = asyncio.ensure_future(
