@@ -27,7 +27,8 @@ markers=('rlimit %d from /proc/%d/limits' '#PF at 0x%llx: asking for %llu bytes,
   'background: %lu pages at 0x%lx, up to %d requests in flight'
   'answer for 0x%lx of %lu taken ahead of %d earlier requests' 'fault-around: %lu pages at 0x%lx'
   'page at %lx holds a stack pointer: not lazy' 'runs of pages merged: the longest is %lu bytes'
-  'dropping %llu bytes of ranges at %llx' 'remap: %d requests in flight asked for again at the new place')
+  'dropping %llu bytes of ranges at %llx' 'remap: %d requests in flight asked for again at the new place'
+  'copy refused while the memory map changed')
 have=$(criu --version 2>/dev/null | awk '/^Version:/{print $2}' || true)
 patched() {
   local m
