@@ -527,6 +527,10 @@ async def test_a_criu_without_the_lazy_patches_restores_eagerly_naming_them(
                          restore_mode="lazy", criu_path=str(wrapper))  # fmt: skip
     eager = lazy.LAZY_RESTORES.labels(result="eager")._value.get()
     caplog.set_level("WARNING")
+    await lazyb.setup()  # says so at the start, before any restore
+    assert f"{wrapper} lacks the lazy-restore patches 0002, 0003" in caplog.text
+    assert "every restore will be eager (restore_mode = 'lazy' asks for lazy ones)" in caplog.text
+    caplog.clear()
     tree.pid = (await lazyb.restore(await lazyb.get(lazyb._id(folder)))).pid
     assert "mode" not in Manifest.load(folder).extra["restore_phases"]  # eager
     assert (await ask(tree.port, "hash"))["now"] == before["digest"]
