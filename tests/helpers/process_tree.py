@@ -79,9 +79,14 @@ class ProcessTree:
         if pidns:
             cmd = ["unshare", "--pid", "--fork", "setsid"] + cmd
         out = open(self.stdout, "ab")
+        # Its own working folder: a tree in its own PID namespace has the host's /proc, so
+        # CRIU's parasite mounts a proc of its own at "proc.crtools" in the task's working
+        # folder, a fixed name; two trees dumped at once from one folder (the suite's two
+        # workers) collided there ("Can't create a directory (-17)").
         self.proc = subprocess.Popen(
-            cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=not pidns
-        )
+            cmd, stdout=out, stderr=out, stdin=subprocess.DEVNULL, start_new_session=not pidns,
+            cwd=root,
+        )  # fmt: skip
         out.close()
         self.pid = self.proc.pid
         self.pidns = pidns
