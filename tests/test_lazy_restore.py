@@ -36,6 +36,7 @@ from jupyterhub_gpusnap.checkpoint.page_sums import sums_name, write_sums
 from jupyterhub_gpusnap.checkpoint.pagemap import PagemapError, eager_ranges, read_pagemaps
 from jupyterhub_gpusnap.model import Server
 from jupyterhub_gpusnap.procs import is_alive, tree_pids
+from tests.helpers.process_tree import ProcessTree
 from tests.helpers.realhub import free_port
 
 pytestmark = pytest.mark.criu
@@ -156,6 +157,22 @@ async def restore_lazily(image, staging: Path, m: Manifest, pool) -> lazy.LazyRe
         shell_job=m.shell_job,
         extra=sandbox.restore_args(bool(m.extra.get("mount_namespace"))),
     )  # fmt: skip
+
+
+async def lazily_restored(
+    tmp_path, process_tree, staging: Path, pool, program: str = HOLDER, go: str = ""
+) -> tuple[lazy.LazyRestore, ProcessTree, dict]:
+    """The holder ``program`` checkpointed by LocalBackend (files) and restored lazily, its
+    tree running: (the lazy restore, the tree, what it answered before). ``go``: a file
+    made next to the holder's log in between (CHURN_HOLDER waits for it)."""
+    backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "files",
+                                                       program=program)  # fmt: skip
+    image = image_of(backend, m, folder, pool)
+    if go:
+        (tree.root / go).touch()
+    lr = await restore_lazily(image, staging, m, pool)
+    tree.pid = lr.pid
+    return lr, tree, before
 
 
 def lazy_offset(staging: Path, before: dict) -> tuple[str, int]:
@@ -361,11 +378,7 @@ async def test_memory_a_process_moves_while_it_arrives_comes_to_its_new_place(
     for the mapping when another lay ahead of it in the unsorted list, and the process
     got zero-filled pages there (CRIU patch 0009): 6 runs of 18 failed here without the
     patch, none of 18 with it."""
-    backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "files",
-                                                       program=MOVING_HOLDER)  # fmt: skip
-    image = image_of(backend, m, folder, pool)
-    lr = await restore_lazily(image, staging, m, pool)
-    tree.pid = lr.pid
+    lr, tree, before = await lazily_restored(tmp_path, process_tree, staging, pool, MOVING_HOLDER)
     got = await ask(tree.port, "move")
     assert got["now"] == got["moved"], "the moved mapping does not hold its bytes"
     stats = await asyncio.wait_for(lr.done, 120)
@@ -382,11 +395,7 @@ async def test_memory_a_process_gives_back_while_it_arrives_reads_zero_filled(
     would without a restore, no page sent for it lands there, and the rest arrives. With
     CRIU patches 0001-0006 the restore never finished in 3 runs of 4 (a request in flight
     for the memory given back was missed and asked for again for ever; patch 0008)."""
-    backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "files",
-                                                       program=MOVING_HOLDER)  # fmt: skip
-    image = image_of(backend, m, folder, pool)
-    lr = await restore_lazily(image, staging, m, pool)
-    tree.pid = lr.pid
+    lr, tree, before = await lazily_restored(tmp_path, process_tree, staging, pool, MOVING_HOLDER)
     got = await ask(tree.port, "dontneed")
     assert got["zeros"], "memory given back does not read zero-filled"
     assert got["rest"] == got["rest_before"]
@@ -407,12 +416,9 @@ async def test_pages_refused_while_the_process_unmaps_are_copied_again_not_sent_
     unmaps 4,096 mappings of 16 KiB in a row from the moment the tree runs: without the
     patch 5-17 refused copies were asked for again in each of 3 runs; with it 569-1,324
     copies were refused in each of 6 runs and none was asked for again."""
-    backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "files",
-                                                       program=CHURN_HOLDER)  # fmt: skip
-    image = image_of(backend, m, folder, pool)
-    (tree.root / "churn.go").touch()  # the holder's thread unmaps as soon as it runs again
-    lr = await restore_lazily(image, staging, m, pool)
-    tree.pid = lr.pid
+    # the holder's thread unmaps as soon as it runs again
+    lr, tree, before = await lazily_restored(tmp_path, process_tree, staging, pool,
+                                             CHURN_HOLDER, go="churn.go")  # fmt: skip
     got = await ask(tree.port, "churn")
     assert got["pieces"] == 8, "the pieces did not hold their bytes"
     await asyncio.wait_for(lr.done, 120)
@@ -441,10 +447,7 @@ async def test_a_process_that_forks_while_its_memory_arrives_gets_its_pages(
     # matches the length too. This run does not reliably make two such requests of
     # different lengths wait at once (it passed with address-only matching as well); it
     # checks that both processes get their own memory.
-    backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "files")
-    image = image_of(backend, m, folder, pool)
-    lr = await restore_lazily(image, staging, m, pool)
-    tree.pid = lr.pid
+    lr, tree, before = await lazily_restored(tmp_path, process_tree, staging, pool)
     got = await ask(tree.port, "forkhash")
     assert got["now"] == got["child"] == before["digest"], "a process ran on pages not its own"
     stats = await lr.done
@@ -879,12 +882,7 @@ async def test_a_daemon_that_dies_leaves_no_process_on_zeroed_memory(
     # Once the daemon's userfaultfds are closed, the kernel gives a faulting thread a zero
     # page: without our own hold on them the holder answers the peek at once, with zeros
     # instead of its bytes (checked: it does).
-    backend, tree, m, folder, before = await suspended(
-        tmp_path, process_tree, "files", program=LOCKED_HOLDER
-    )
-    image = image_of(backend, m, folder, pool)
-    lr = await restore_lazily(image, staging, m, pool)
-    tree.pid = lr.pid
+    lr, tree, before = await lazily_restored(tmp_path, process_tree, staging, pool, LOCKED_HOLDER)
     pids = tree_pids(lr.pid)
     # all of it is in but its buffer
     assert lr.lazy_bytes <= before["size"] and lr.lazy_bytes >= before["size"] - (1 << 20)

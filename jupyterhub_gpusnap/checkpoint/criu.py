@@ -494,6 +494,18 @@ def lazy_patches_missing(criu: str = "") -> list[str]:
         return list(LAZY_PATCHES)
 
 
+def lazy_patches_lacking(criu: str = "") -> str:
+    """'' when the criu binary has every patch of :data:`LAZY_PATCHES`, else which it
+    lacks ("/usr/sbin/criu lacks the lazy-restore patches 0002, 0003 of .ci/criu-patches")."""
+    missing = lazy_patches_missing(criu)
+    if not missing:
+        return ""
+    return (
+        f"{find_criu(criu) or 'criu'} lacks the lazy-restore patches "
+        f"{', '.join(p[:4] for p in missing)} of .ci/criu-patches"
+    )
+
+
 async def start_lazy_pages(
     directory: Path | str,
     ps_socket: int,

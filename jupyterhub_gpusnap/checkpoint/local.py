@@ -601,16 +601,13 @@ class LocalBackend(
         try:
             version = await self._require_criu()
             self.log.info("CRIU %s ready; checkpoints in %s", version, self.root)
-            missing = (
-                criu.lazy_patches_missing(self.criu_path) if self.restore_mode != "eager" else []
-            )
-            if missing:
+            eager = self.restore_mode == "eager"
+            lacking = "" if eager else criu.lazy_patches_lacking(self.criu_path)
+            if lacking:
                 self.log.warning(
-                    "%s lacks the lazy-restore patches %s of .ci/criu-patches: every restore "
-                    "will be eager (restore_mode = %r asks for lazy ones); install CRIU with "
-                    ".ci/install-criu.sh",
-                    criu.find_criu(self.criu_path) or "criu",
-                    ", ".join(p[:4] for p in missing),
+                    "%s: every restore will be eager (restore_mode = %r asks for lazy ones); "
+                    "install CRIU with .ci/install-criu.sh",
+                    lacking,
                     self.restore_mode,
                 )
         except CheckpointRefused as e:

@@ -1,6 +1,7 @@
 """Lazy restore for :class:`~.local.LocalBackend` (``restore_mode = "lazy"``, or
-``"auto"`` for large images; docs/lazy-restore.md): the restored tree runs before its memory is back, each page checked
-as it arrives (:mod:`.lazy`); its GPU memory comes back behind the first answer.
+``"auto"`` for large images; docs/lazy-restore.md): the restored tree runs before its
+memory is back, each page checked as it arrives (:mod:`.lazy`); its GPU memory comes
+back behind the first answer.
 
 Here: the page checksums a lazy restore of a ``files`` checkpoint needs (written in the
 background after the suspension), the restore itself, its end (every page in, or a damaged
@@ -104,17 +105,11 @@ class LazyRestoreMixin:
     ) -> tuple[int, str, int] | None:
         """restore_mode = 'lazy': run the tree now, its memory following (lazy.py); None when
         it must be restored eagerly instead (logged; nothing was started)."""
-        missing = criu.lazy_patches_missing(self.criu_path)
-        if missing:
-            image, why = (
-                None,
-                (
-                    f"{criu.find_criu(self.criu_path) or 'criu'} lacks the lazy-restore patches "
-                    f"{', '.join(p[:4] for p in missing)} of .ci/criu-patches (without them a "
-                    "process that moves memory while its pages arrive can read wrong pages): "
-                    "install CRIU with .ci/install-criu.sh"
-                ),
-            )
+        lacking = criu.lazy_patches_lacking(self.criu_path)
+        if lacking:
+            image, why = None, (f"{lacking} (without them a process that moves memory while "
+                                "its pages arrive can read wrong pages): install CRIU with "
+                                ".ci/install-criu.sh")  # fmt: skip
         else:
             image, why = self._lazy_image(folder, m, key, info.id)
         images = None
