@@ -486,6 +486,12 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
         await task
     m = Manifest.load(folder)
     assert m.extra["restore_phases"]["lazy_served_bytes"] == phases["lazy_bytes"]
+    # where the page server's sender waited (what held the transfer back) is recorded
+    done = m.extra["restore_phases"]
+    assert 0 <= done["lazy_background_from_memory"] <= done["lazy_background_requests"]
+    assert done["lazy_background_requests"] > 0
+    waits = [done[f"lazy_{k}_wait_s"] for k in ("read", "send", "idle")]
+    assert all(w >= 0 for w in waits) and 0 < sum(waits) < 60, done
     assert "lazy_pending" not in m.extra and not lazyb.lazy_restores
 
     # as a Hub that stopped mid-transfer leaves it: the guard killed the tree

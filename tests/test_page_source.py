@@ -178,3 +178,40 @@ async def test_the_pages_around_a_fault_start_no_read_ahead(tmp_path):
         pool.shutdown(wait=True)
         _, got = source.prefix(3 << 20, AHEAD)
         assert got == 0, f"{got >> 20} MiB read ahead of the pages around a fault"
+
+
+async def test_the_server_says_where_the_transfer_waited(tmp_path):
+    # What holds a transfer back: answers not yet read and checked when asked for (the
+    # disk, the checks: "read"), the daemon not taking what was written (it copies the
+    # answer before into the process: "send"), or nothing asked for ("idle").
+    pool = ThreadPoolExecutor(1)
+    source = _raw_image(tmp_path, 8, pool)
+    async with _serving(source, [Run(0x10000000, 8 << 8, 0, 0)], pool) as (server, reader, writer):
+        busy = threading.Event()
+        pool.submit(busy.wait)  # the pool is busy: the first answer waits for its read
+        writer.write(IOV.pack(PS_IOV_GET, 256, 0x10000000, 7))
+        await asyncio.sleep(0.3)
+        busy.set()
+        await reader.readexactly(IOV.size + 256 * PAGE)
+        assert server.waited["read"] >= 0.25
+        # the next MiB goes on where that ended: it starts the read-ahead ...
+        writer.write(IOV.pack(PS_IOV_GET, 256, 0x10000000 + (1 << 20), 7))
+        await reader.readexactly(IOV.size + 256 * PAGE)
+        for _ in range(500):
+            if source.prefix(2 << 20, 6 << 20)[1] == 6 << 20:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # ... and nothing is asked for meanwhile
+        assert server.from_memory == 0
+        # the rest was checked before it was asked for; 6 MiB do not fit in the socket: the
+        # answer waits for the daemon to take it
+        writer.write(IOV.pack(PS_IOV_GET, 6 << 8, 0x10000000 + (2 << 20), 7))
+        await asyncio.sleep(0.3)
+        await reader.readexactly(IOV.size + (6 << 20))
+        assert server.from_memory == 1 and server.waited["idle"] >= 0.25
+        for _ in range(100):
+            if server.waited["send"] >= 0.25:
+                break
+            await asyncio.sleep(0.01)
+        assert server.waited["send"] >= 0.25, server.waited
+    pool.shutdown()

@@ -49,7 +49,7 @@ from . import criu, uffd_guard
 from .base import CheckpointError
 from .chunks import ChunkStore
 from .manifest import is_pages_file, verify_image
-from .page_server import PageServer
+from .page_server import BACKGROUND, PageServer
 from .page_source import ChunkPages, PageDamaged, RawPages
 from .page_sums import SumsError, load_sums
 from .pagemap import PagemapError, eager_ranges, lazy_bytes, read_pagemaps
@@ -408,6 +408,9 @@ async def _watch(lazy: LazyRestore, failed: asyncio.Event, stop_all, poll: float
             requests=server.requests,
             fault_requests=server.faults,
             read_s=round(server.read_s, 3),
+            background_requests=server.asked[BACKGROUND],
+            background_from_memory=server.from_memory,
+            **{f"{k}_wait_s": round(v, 3) for k, v in server.waited.items()},
         )
         return lazy.stats
     except asyncio.CancelledError:

@@ -229,6 +229,10 @@ class LazyRestoreMixin:
                     "lazy_served_bytes": stats.get("served_bytes"),
                     "lazy_requests": stats.get("requests"),
                     "lazy_fault_requests": stats.get("fault_requests"),
+                    # where the page server's sender waited: what held the transfer back
+                    **{f"lazy_{k}": stats.get(k) for k in (
+                        "background_requests", "background_from_memory", "read_wait_s",
+                        "send_wait_s", "idle_wait_s")},
                     **({} if gpu else _full(restore_started)),
                 })  # fmt: skip
                 if gpu is not None:

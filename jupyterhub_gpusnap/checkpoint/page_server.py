@@ -105,6 +105,12 @@ class PageServer:
         self.asked = [0, 0, 0]  # requests by kind: FAULT, AROUND, BACKGROUND
         self.bytes = 0
         self.read_s = 0.0  # thread time spent reading and checking
+        # Where the sender's time went (seconds), to tell what holds the transfer back:
+        # ``read``: an answer was asked for but not yet read and checked (the disk, the
+        # checks); ``send``: an answer was written and the daemon had not taken it yet (it
+        # copies the one before into the process); ``idle``: nothing was asked for.
+        self.waited = {"read": 0.0, "send": 0.0, "idle": 0.0}
+        self.from_memory = 0  # background requests whose answer was checked before they came
         self.first_at: float | None = None
         self.last_at: float | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -155,9 +161,13 @@ class PageServer:
                         fut.set_exception(e)
                     else:
                         in_order = self._in_order(source, ranges, kind)
-                        fut = self._cached(source, ranges, in_order) or loop.run_in_executor(
-                            self._pools[kind], self._read, source, ranges, in_order
-                        )
+                        fut = self._cached(source, ranges, in_order)
+                        if fut is None:
+                            fut = loop.run_in_executor(
+                                self._pools[kind], self._read, source, ranges, in_order
+                            )
+                        elif kind == BACKGROUND:
+                            self.from_memory += 1
                     self._queue((vaddr, dst, fut, kind), kind)
                 elif cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
                     self._queue(CLOSE)
@@ -260,7 +270,10 @@ class PageServer:
         while True:
             item = self._pick()
             if item is None:
+                t = time.monotonic()
+                asked = any(self._queues)
                 await self._waiting()
+                self.waited["read" if asked else "idle"] += time.monotonic() - t
                 continue
             if item is StopAsyncIteration:
                 return
@@ -280,10 +293,12 @@ class PageServer:
             self._next[name, kind] = end
             writer.write(IOV.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, nr, vaddr, dst))
             writer.writelines(data)
+            t = time.monotonic()
             try:
                 await writer.drain()
             except ConnectionError:
                 return
+            self.waited["send"] += time.monotonic() - t
             self.bytes += nr * PAGE
             self.last_at = time.monotonic()
 
