@@ -55,6 +55,28 @@ async def super_maybe(result):
         await result
 
 
+#: the warm-up the first spawner of this process started (see _warm_up_once)
+_WARM_UP: asyncio.Task | None = None
+
+
+def _warm_up_once(backend: CheckpointBackend, log) -> None:
+    """Start ``backend.warm_up()`` in the background, once per process (at the first spawner
+    made while the Hub's loop runs: at start for servers already running, else at the first
+    spawn), so that the first restore does not load the CUDA driver or check CRIU itself."""
+    global _WARM_UP
+    if _WARM_UP is not None:
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return  # not in the Hub's loop yet: the next spawner made in it starts it
+    _WARM_UP = loop.create_task(backend.warm_up())
+    _WARM_UP.add_done_callback(
+        lambda t: t.cancelled() or t.exception() is None
+        or log.warning("gpusnap warm-up failed: %r", t.exception())
+    )  # fmt: skip
+
+
 class SnapSpawnerMixin(RestoreMixin):
     """Restore-on-start for local process spawners: the local hooks of :class:`RestoreMixin`
     (mix in before LocalProcessSpawner or a subclass of it).
@@ -119,7 +141,9 @@ class SnapSpawnerMixin(RestoreMixin):
 
     @default("backend")
     def _default_backend(self):
-        return self.backend_class(parent=self)
+        backend = self.backend_class(parent=self)
+        _warm_up_once(backend, self.log)
+        return backend
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)

@@ -215,6 +215,11 @@ class CheckpointBackend(LoggingConfigurable):
         """Check prerequisites once at start-up (log what is missing) and resolve what a
         crash left behind (:meth:`recover`)."""
 
+    async def warm_up(self) -> None:
+        """Do now, in the background, what the first restore or suspension in this process
+        would otherwise wait for (loading drivers, checking tools). The Hub calls it once,
+        when it makes its first spawner; never raises."""
+
     async def recover(self) -> list[str]:
         """Resolve suspensions a crash of the service left under way, with the hooks of
         :meth:`checkpoint`: each one :meth:`do_unfinished` finds is either completed (its

@@ -49,6 +49,7 @@ import asyncio
 import os
 import re
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -87,6 +88,11 @@ from .manifest import (
 from .streamer import PIPE_BYTES
 
 REPLICAS = ".chunks-replica"  # replica_dir's default, in checkpoint_dir
+# Shared by every LocalBackend of the process. The Hub makes a backend per spawner (one per
+# user's server): each kept a pool of hash_threads threads, and each checked CRIU again.
+_POOLS: dict[int, ThreadPoolExecutor] = {}  # LocalBackend.pool, by size
+_POOLS_LOCK = threading.Lock()
+_CRIU_OK: dict[tuple[str, str], str] = {}  # (criu_path, criu_min_version) -> version
 
 
 class LocalBackend(
@@ -426,8 +432,6 @@ class LocalBackend(
                     "(only chunks are encrypted): set both"
                 )
             load_keys(self.encryption_key_file)  # a bad key file fails at start-up
-        self._pool_obj: ThreadPoolExecutor | None = None
-        self._criu_ok: dict[tuple[str, str], str] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._active: set[str] = set()  # servers whose checkpoint() runs in this process
         self._reserved: dict[str, int] = {}  # disk bytes held per suspension under way
@@ -469,11 +473,17 @@ class LocalBackend(
 
     @property
     def pool(self) -> ThreadPoolExecutor:
-        """The thread pool that hashes image chunks (``hash_threads`` threads)."""
-        if self._pool_obj is None:
-            n = self.hash_threads or os.cpu_count() or 1
-            self._pool_obj = ThreadPoolExecutor(max_workers=n, thread_name_prefix="gpusnap-hash")
-        return self._pool_obj
+        """The thread pool that reads and hashes images (``hash_threads`` threads), one per
+        size for the whole process: the Hub makes a backend per spawner (one per user's
+        server), and each kept its own threads."""
+        n = self.hash_threads or os.cpu_count() or 1
+        with _POOLS_LOCK:
+            pool = _POOLS.get(n)
+            if pool is None:
+                pool = _POOLS[n] = ThreadPoolExecutor(
+                    max_workers=n, thread_name_prefix="gpusnap-hash"
+                )
+        return pool
 
     def keys(self) -> list[Key]:
         """The keys of ``encryption_key_file`` (read on each use: rotation needs no restart)."""
@@ -528,11 +538,11 @@ class LocalBackend(
         """The CRIU version, checked once per binary (``criu --version`` costs a fork+exec);
         refused at once if the binary has gone since."""
         key = (self.criu_path, self.criu_min_version)
-        version = self._criu_ok.get(key)
+        version = _CRIU_OK.get(key)
         if version is None or criu.find_criu(self.criu_path) is None or os.geteuid() != 0:
-            self._criu_ok.pop(key, None)
+            _CRIU_OK.pop(key, None)
             version = await criu.require_criu(self.criu_path, self.criu_min_version)
-            self._criu_ok[key] = version
+            _CRIU_OK[key] = version
         return version
 
     def _lock(self, key: str) -> asyncio.Lock:
@@ -598,11 +608,23 @@ class LocalBackend(
         checkpoints left ``writing``."""
         self._mkdir(self.root)
         await asyncio.to_thread(self._tighten_all)
+        await self.warm_up()
+        clear_staging(self.restore_staging_dir, self.log)
+        await self.recover()
+
+    async def warm_up(self) -> None:
+        """Check CRIU (and, when restores may be lazy, its lazy-restore patches), load and
+        initialise the CUDA driver and NVML, once for the process, logging what is missing:
+        not in the first restore's time (in the Hub, whose spawners each have a backend, the
+        first restore after a start took 0.2-0.3 s longer for it on the H100) nor in the
+        first suspension's time to a free GPU. Never raises."""
         try:
             version = await self._require_criu()
             self.log.info("CRIU %s ready; checkpoints in %s", version, self.root)
             eager = self.restore_mode == "eager"
-            lacking = "" if eager else criu.lazy_patches_lacking(self.criu_path)
+            lacking = "" if eager else await asyncio.to_thread(
+                criu.lazy_patches_lacking, self.criu_path
+            )  # fmt: skip
             if lacking:
                 self.log.warning(
                     "%s: every restore will be eager (restore_mode = %r asks for lazy ones); "
@@ -612,16 +634,18 @@ class LocalBackend(
                 )
         except CheckpointRefused as e:
             self.log.error("local checkpoints disabled until fixed: %s", e)
+        except Exception as e:  # not expected: the first restore will say more
+            self.log.warning("cannot check CRIU now: %s", e)
         cuda = self.cuda()
-        if cuda is not None and not cuda.available():
+        if cuda is None:
+            return
+        if not await asyncio.to_thread(cuda.available):
             self.log.info("no CUDA checkpoint API on this host: CPU-only checkpoints")
-        elif cuda is not None:
-            try:  # open NVML now, not in the first suspension's time to a free GPU
-                await asyncio.to_thread(cuda.gpu_inventory)
-            except Exception as e:
-                self.log.info("no NVML on this host (%s): GPU memory left out of estimates", e)
-        clear_staging(self.restore_staging_dir, self.log)
-        await self.recover()
+            return
+        try:
+            await asyncio.to_thread(cuda.gpu_inventory)
+        except Exception as e:
+            self.log.info("no NVML on this host (%s): GPU memory left out of estimates", e)
 
     async def scrub(self, full: bool | None = None) -> dict:
         """Check the chunk store and keep shared chunks twice (:meth:`.ChunksStore.scrub`);

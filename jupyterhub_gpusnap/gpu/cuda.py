@@ -137,6 +137,28 @@ def _load_libcuda(path: str) -> Any:
     return lib
 
 
+#: libcuda_path -> (the initialised driver or None, why not), for this process
+_DRIVERS: dict[str, tuple[Any, str]] = {}
+_DRIVERS_LOCK = threading.Lock()
+
+
+def _open_driver(driver: Any, path: str) -> tuple[Any, str]:
+    """(``driver`` or ``path`` loaded, checked for the checkpoint API and initialised, "") or
+    (None, why not)."""
+    try:
+        lib = driver if driver is not None else _load_libcuda(path)
+    except OSError as e:
+        return None, f"{path} not loadable ({e}); no NVIDIA driver on this host"
+    except AttributeError as e:
+        return None, (
+            f"{path} lacks the checkpoint API ({e}); upgrade the NVIDIA driver to 570 or newer"
+        )
+    rc = lib.cuInit(0)
+    if rc != CUDA_SUCCESS:
+        return None, f"cuInit failed: {CudaCheckpoint._error_name(lib, rc)} ({rc})"
+    return lib, ""
+
+
 class CudaCheckpoint(LoggingConfigurable):
     """Suspend and resume the GPU memory of processes through the CUDA driver.
 
@@ -184,25 +206,15 @@ class CudaCheckpoint(LoggingConfigurable):
             if self._loaded:
                 return self._lib
             self._loaded = True
-            try:
-                lib = self.driver if self.driver is not None else _load_libcuda(self.libcuda_path)
-            except OSError as e:
-                self.reason = (
-                    f"{self.libcuda_path} not loadable ({e}); no NVIDIA driver on this host"
-                )
-                return None
-            except AttributeError as e:
-                self.reason = (
-                    f"{self.libcuda_path} lacks the checkpoint API ({e}); "
-                    "upgrade the NVIDIA driver to 570 or newer"
-                )
-                return None
-            rc = lib.cuInit(0)
-            if rc != CUDA_SUCCESS:
-                self.reason = f"cuInit failed: {self._error_name(lib, rc)} ({rc})"
-                return None
-            self._lib = lib
-            return lib
+            if self.driver is not None:
+                self._lib, self.reason = _open_driver(self.driver, self.libcuda_path)
+            else:  # loaded and initialised once per process (the Hub has a layer per spawner)
+                with _DRIVERS_LOCK:
+                    opened = _DRIVERS.get(self.libcuda_path)
+                    if opened is None:
+                        opened = _DRIVERS[self.libcuda_path] = _open_driver(None, self.libcuda_path)
+                self._lib, self.reason = opened
+            return self._lib
 
     def _tell_absent(self) -> None:
         if not self._told_absent:
@@ -438,7 +450,7 @@ class CudaCheckpoint(LoggingConfigurable):
 
     def _nvml(self) -> Nvml:
         if self.nvml is None:
-            self.nvml = Nvml()
+            self.nvml = Nvml.shared()
         self.nvml.open()
         return self.nvml
 

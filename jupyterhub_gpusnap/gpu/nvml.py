@@ -13,6 +13,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+_SHARED: Nvml | None = None  # Nvml.shared()
+_SHARED_LOCK = threading.Lock()
+
 # NVML return codes used below (nvml.h)
 _NVML_SUCCESS = 0
 _NVML_ERROR_NOT_SUPPORTED = 3
@@ -36,6 +39,16 @@ class Nvml:
     Nothing here raises when NVML is missing: :attr:`available` is False and
     :attr:`reason` says why.
     """
+
+    @classmethod
+    def shared(cls) -> Nvml:
+        """The process's own instance (pynvml), for the users that only ask for inventory
+        and memory: the Hub makes a CUDA layer per spawner, and each opened NVML anew."""
+        with _SHARED_LOCK:
+            global _SHARED
+            if _SHARED is None:
+                _SHARED = cls()
+            return _SHARED
 
     def __init__(self, module: Any = None):
         self._module = module
