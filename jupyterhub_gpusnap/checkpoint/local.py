@@ -201,7 +201,9 @@ class LocalBackend(
         0,
         help="""Threads that checksum image files (at checkpoint and at restore) and, with
         storage = 'chunks', compress, encrypt and unpack chunks. 0: one per CPU (os.cpu_count()). Hashing a 10 GB image takes about 10 CPU-seconds; lower this
-        on a hub whose cores are busy with other servers, at the cost of slower suspends.""",
+        on a hub whose cores are busy with other servers, at the cost of slower suspends.
+        One pool of this many threads per process, shared by all its backends (the Hub
+        has one per spawner).""",
     ).tag(config=True)
 
     chunk_bytes = Integer(
