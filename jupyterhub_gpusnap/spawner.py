@@ -71,10 +71,12 @@ def _warm_up_once(backend: CheckpointBackend, log) -> None:
     except RuntimeError:
         return  # not in the Hub's loop yet: the next spawner made in it starts it
     _WARM_UP = loop.create_task(backend.warm_up())
-    _WARM_UP.add_done_callback(
-        lambda t: t.cancelled() or t.exception() is None
-        or log.warning("gpusnap warm-up failed: %r", t.exception())
-    )  # fmt: skip
+
+    def said(task: asyncio.Task) -> None:  # warm_up() logs what is missing and never raises
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("gpusnap warm-up failed: %r", task.exception())
+
+    _WARM_UP.add_done_callback(said)
 
 
 class SnapSpawnerMixin(RestoreMixin):
