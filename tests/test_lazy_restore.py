@@ -479,6 +479,10 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
     tree.pid = pid
     phases = Manifest.load(folder).extra["restore_phases"]
     assert phases["mode"] == "lazy" and phases["lazy_bytes"] >= 190 << 20
+    # the staging's steps, timed: what of it the tree waited for
+    steps = phases["lazy_staging"]
+    assert set(steps) == {"small_s", "pagemaps_s", "sources_s", "eager_s"}, steps
+    assert 0 < sum(steps.values()) <= phases["lazy_staged_s"] + 0.01, phases
     assert 0 < phases["lazy_eager_bytes"] < 16 << 20
     assert (await ask(tree.port, "hash"))["now"] == before["digest"]
     task = lazyb.lazy_restores.get(info.id)

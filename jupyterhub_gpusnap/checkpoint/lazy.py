@@ -153,25 +153,39 @@ def _sparse(path: Path, size: int) -> None:
         os.close(fd)
 
 
-def stage(image: FilesImage | ChunksImage, dest: Path, pool: Executor):
+def stage(image: FilesImage | ChunksImage, dest: Path, pool: Executor, times: dict | None = None):
     """Write what ``criu restore --lazy-pages`` reads itself into ``dest``, all of it
     checked; return (pagemaps, {pages file: source}). Raises CheckpointError naming what
-    is damaged or missing. Blocking."""
+    is damaged or missing. Blocking. ``times`` (if given) gets the seconds of each step:
+    ``small_s`` (the small files, copied and checked), ``pagemaps_s``, ``sources_s`` (page
+    sums loaded, chunk lists), ``eager_s`` (the eager pages read, checked and written)."""
+    times = {} if times is None else times
+    t = time.monotonic()
+
+    def took(step: str) -> None:
+        nonlocal t
+        now = time.monotonic()
+        times[step] = round(now - t, 3)
+        t = now
+
     for name in image.names():  # filled with the eager pages below
         if is_pages_file(name):
             _sparse(dest / name, image.size(name))
     problems = image.stage_small(dest, pool)
     if problems:
         raise CheckpointError("image is damaged: " + "; ".join(problems[:5]))
+    took("small_s")
     try:
         pagemaps = read_pagemaps(dest)
     except PagemapError as e:
         raise CheckpointError(f"image is damaged: {e}") from e
+    took("pagemaps_s")
     sources = {}
     try:
         for name in image.names():
             if is_pages_file(name):
                 sources[name] = image.source(name, pool)
+        took("sources_s")
         eager = eager_ranges(pagemaps)
         for name, ranges in eager.items():
             if name not in sources:
@@ -190,6 +204,7 @@ def stage(image: FilesImage | ChunksImage, dest: Path, pool: Executor):
                             view, off = view[done:], off + done
             finally:
                 os.close(fd)
+        took("eager_s")
     except SumsError as e:
         for s in sources.values():
             s.close()
@@ -286,7 +301,8 @@ async def restore(
     """
     staging = Path(staging)
     t0 = time.monotonic()
-    pagemaps, sources = await asyncio.to_thread(stage, image, staging, pool)
+    steps: dict = {}
+    pagemaps, sources = await asyncio.to_thread(stage, image, staging, pool, steps)
     staged_s = time.monotonic() - t0
     failed = asyncio.Event()
     server = PageServer(pagemaps, sources, pool, on_failure=lambda e: failed.set())
@@ -357,7 +373,8 @@ async def restore(
     )  # fmt: skip
     # what CRIU restored itself: a few MiB, unless a process's memory could not be left lazy
     eager = sum(n for ranges in eager_ranges(pagemaps).values() for _, n in ranges)
-    lazy.stats = {"staged_s": round(staged_s, 3), "running_s": round(lazy.running_at - t0, 3),
+    lazy.stats = {"staged_s": round(staged_s, 3), "staging": steps,
+                  "running_s": round(lazy.running_at - t0, 3),
                   "lazy_bytes": lazy.lazy_bytes, "eager_bytes": eager}  # fmt: skip
     lazy.done = asyncio.ensure_future(_watch(lazy, failed, stop_all, poll))
     return lazy

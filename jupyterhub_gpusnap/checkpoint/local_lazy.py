@@ -149,7 +149,8 @@ class LazyRestoreMixin:
             raise
         restored = lr.restored
         phases["criu_s"] = round(time.monotonic() - t, 3)
-        phases.update(lazy_staged_s=lr.stats["staged_s"], lazy_running_s=lr.stats["running_s"],
+        phases.update(lazy_staged_s=lr.stats["staged_s"], lazy_staging=lr.stats["staging"],
+                      lazy_running_s=lr.stats["running_s"],
                       lazy_bytes=lr.lazy_bytes, lazy_eager_bytes=lr.stats["eager_bytes"])  # fmt: skip
         self.restored[restored.pid] = restored
         for p, r in list(self.restored.items()):
