@@ -289,7 +289,7 @@ class LocalBackend(
         "auto",
         help="""How a suspended server's memory comes back. 'auto' (default): 'lazy' for a
         checkpoint of lazy_restore_min_bytes or more (a GPU notebook's: its kernel answers
-        in 1.3-1.7 s at 1 to 24 GiB of tensors on an H100, against 2.7-29 s eagerly),
+        in 1.0-1.9 s at 1 to 24 GiB of tensors on an H100, against 2.2-29 s eagerly),
         'eager' for a smaller one (back in about a second either way). 'eager': all of it,
         checked, before the server runs (about 0.8 s per GiB on an H100 machine). 'lazy': the
         server runs as soon as its processes are restored (0.2-0.3 s whatever its size, on a
