@@ -6,6 +6,12 @@ those on pages already asked for), the requests around them (``around``, CRIU pa
 0005), its background requests, and when its first fault, last fault and last copy came (seconds from the
 daemon's start). ``bench/gpu_notebook.py --logs DIR`` keeps the log of each lazy restore.
 
+The daemon's own pace, from its background answers of 4 MiB (the largest it asks for):
+``copy_ms``, the median time from its copy of one into the process (``uffd_copy``) to its next
+background request, which it makes once the copy is done; ``receive_ms`` (median) and
+``receive_p90_ms``, from a background request to its next copy of 4 MiB, the time it spent
+receiving the answer or waiting for it (docs/lazy-restore.md, "What holds the transfer back").
+
 Usage: ``python bench/lazy_pages_log.py LOG [LOG ...] [--until SECONDS]`` (``--until``:
 count only the faults before then, e.g. the kernel's first answer).
 """
@@ -27,6 +33,15 @@ COPY = re.compile(r"uffd_copy: 0x([0-9a-f]+)/(\d+)")
 BACKGROUND = re.compile(r"background: (\d+) pages at 0x([0-9a-f]+)")
 QUEUED = re.compile(r"#PF at 0x([0-9a-f]+)$")
 AROUND = re.compile(r"fault-around: (\d+) pages at 0x([0-9a-f]+)")
+FULL = 4 << 20  # the background transfer's largest answer (CRIU patch 0002: MAX_XFER_LEN)
+
+
+def _ms(seconds: list[float], q: float = 0.5) -> float | None:
+    """The ``q`` quantile of ``seconds``, in ms (None when empty)."""
+    if not seconds:
+        return None
+    s = sorted(seconds)
+    return round(s[int(q * (len(s) - 1))] * 1e3, 2)
 
 
 def _lines(path: Path):
@@ -39,7 +54,7 @@ def summarize(path: Path, until: float | None = None) -> list[dict]:
     procs: dict[int, dict] = defaultdict(
         lambda: {"faults": [], "pending": {}, "background": 0, "bg_bytes": 0, "copied": 0,
                  "first_fault": None, "last_fault": None, "last_copy": None, "faulted": 0,
-                 "around": 0, "around_bytes": 0}
+                 "around": 0, "around_bytes": 0, "copy": [], "receive": [], "last": None}
     )  # fmt: skip
     for line in _lines(path):
         m = LINE.match(line.rstrip("\n"))
@@ -61,6 +76,10 @@ def summarize(path: Path, until: float | None = None) -> list[dict]:
             p["last_copy"] = t
             if addr in p["pending"]:
                 p["faults"].append(t - p["pending"].pop(addr))
+            if n == FULL:
+                if p["last"] is not None and p["last"][0] == "request":
+                    p["receive"].append(t - p["last"][1])
+                p["last"] = ("copy", t)
         elif a := AROUND.match(what):
             if until is None or t <= until:
                 p["around"] += 1
@@ -68,6 +87,9 @@ def summarize(path: Path, until: float | None = None) -> list[dict]:
         elif b := BACKGROUND.match(what):
             p["background"] += 1
             p["bg_bytes"] += int(b.group(1)) * 4096
+            if p["last"] is not None and p["last"][0] == "copy":
+                p["copy"].append(t - p["last"][1])
+            p["last"] = ("request", t)
     rows = []
     for pid, p in sorted(procs.items()):
         w = sorted(p["faults"])
@@ -84,6 +106,9 @@ def summarize(path: Path, until: float | None = None) -> list[dict]:
             "copied_mib": round(p["copied"] / 2**20, 1),
             "first_fault_s": p["first_fault"], "last_fault_s": p["last_fault"],
             "last_copy_s": p["last_copy"],
+            "copies_4mib": len(p["copy"]),
+            "copy_ms": _ms(p["copy"]), "receive_ms": _ms(p["receive"]),
+            "receive_p90_ms": _ms(p["receive"], 0.9),
         })  # fmt: skip
     return rows
 

@@ -1,0 +1,37 @@
+"""bench/lazy_pages_log.py reads the daemon's pace from its log: the copy of each 4 MiB
+background answer (until its next request) and the receiving of the next one."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import lazy_pages_log  # noqa: E402
+
+LOG = """\
+(00.500000) uffd: 7-14: #PF at 0x5000
+(00.500010) uffd: 7-14: #PF at 0x5000: asking for 65536 bytes
+(00.502010) uffd: 7-14: uffd_copy: 0x5000/65536
+(01.000000) uffd: 7-14: background: 1024 pages at 0x1000000, up to 8 requests in flight
+(01.001000) uffd: 7-14: uffd_copy: 0x1000000/4194304
+(01.002500) uffd: 7-14: background: 1024 pages at 0x1400000, up to 8 requests in flight
+(01.003000) uffd: 7-14: uffd_copy: 0x1400000/4194304
+(01.004000) uffd: 7-14: background: 1024 pages at 0x1800000, up to 8 requests in flight
+(01.010000) uffd: 7-14: uffd_copy: 0x1800000/4194304
+(01.010100) uffd: 7-14: uffd_copy: 0x9000/8192
+"""
+
+
+def test_the_daemons_copy_and_receive_times(tmp_path):
+    log = tmp_path / "lazy-pages.log"
+    log.write_text(LOG)
+    (row,) = lazy_pages_log.summarize(log)
+    assert (row["pid"], row["faults"], row["wait_median_ms"]) == (7, 1, 2.0)
+    assert row["background"] == 3 and row["copies_4mib"] == 2
+    # copies: 1.001 -> 1.0025 and 1.003 -> 1.004 (the next request follows the copy)
+    assert row["copy_ms"] == 1.0
+    # receiving: 1.000 -> 1.001, 1.0025 -> 1.003, 1.004 -> 1.010 (lower median; 90th pct)
+    assert row["receive_ms"] == 1.0 and row["receive_p90_ms"] == 1.0
+    assert lazy_pages_log._ms([0.001, 0.002, 0.003, 0.004, 0.006], 0.9) == 4.0
