@@ -98,7 +98,7 @@ def summarize(path: Path, until: float | None = None) -> list[dict]:
         rows.append({
             "log": path.name, "pid": pid, "faults": len(w), "fault_events": p["faulted"],
             "wait_median_ms": round(statistics.median(w) * 1e3, 2) if w else None,
-            "wait_p90_ms": round(w[int(0.9 * (len(w) - 1))] * 1e3, 2) if w else None,
+            "wait_p90_ms": _ms(w, 0.9),
             "wait_max_ms": round(w[-1] * 1e3, 1) if w else None,
             "wait_sum_s": round(sum(w), 3),
             "around": p["around"], "around_mib": round(p["around_bytes"] / 2**20, 1),

@@ -217,8 +217,8 @@ class CheckpointBackend(LoggingConfigurable):
 
     async def warm_up(self) -> None:
         """Do now, in the background, what the first restore or suspension in this process
-        would otherwise wait for (loading drivers, checking tools). The Hub calls it once,
-        when it makes its first spawner; never raises."""
+        would otherwise wait for (loading drivers, checking tools). The local spawners call
+        it once per Hub process, when the first of them is made; never raises."""
 
     async def recover(self) -> list[str]:
         """Resolve suspensions a crash of the service left under way, with the hooks of
