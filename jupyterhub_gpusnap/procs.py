@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import socket
 import time
 
@@ -113,3 +114,54 @@ def port_holder(ip: str, port: int) -> str | None:
             if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
                 return f"pid {c.pid} ({psutil.Process(c.pid).name()})"
     return "another process"
+
+
+SERVER_PORTS = 10000
+"""How many ports below the kernel's ephemeral range :func:`server_port` picks from."""
+
+
+def ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (``ip_local_port_range``)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def server_port(ip: str, reserved: set[int] = frozenset()) -> int:
+    """A port for a new single-user server: free on ``ip`` now, not in ``reserved``, and
+    in the :data:`SERVER_PORTS` ports just below the kernel's ephemeral range.
+
+    JupyterHub's own ``random_port`` asks the kernel for an ephemeral port and releases
+    it; the server binds it a second or so later. Every Jupyter kernel's ZeroMQ sockets and
+    every outgoing connection take ports from that same range, so in between a kernel of
+    another server could take it: the new server then fails with "Address already in use"
+    and the Hub waits on a port that answers in ZeroMQ. Below the range only programs
+    that name a port bind, and the pick is random among thousands.
+    """
+    high = min(ephemeral_low(), 65536)
+    low = max(1024, high - SERVER_PORTS)
+    for _ in range(200):
+        port = random.randrange(low, high)
+        if port not in reserved and can_listen(ip, port):
+            return port
+    # that whole span taken: fall back to an ephemeral port, as JupyterHub would
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in reserved:
+            return port
+
+
+def can_listen(ip: str, port: int) -> bool:
+    """Whether a server could listen on ``ip:port`` now (``""`` means every address)."""
+    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((ip, port))
+        except OSError:
+            return False
+    return True

@@ -38,14 +38,13 @@ from subprocess import Popen
 
 import psutil
 from jupyterhub.spawner import LocalProcessSpawner, SimpleLocalProcessSpawner
-from jupyterhub.utils import random_port
 from traitlets import Bool, Float, Instance, Type, Unicode, default
 
 from . import sandbox
 from .checkpoint.base import CheckpointBackend, CheckpointRefused
 from .checkpoint.local import LocalBackend
 from .checkpoint.local_layout import encode_name
-from .procs import is_alive
+from .procs import is_alive, server_port
 from .spawner_restore import RestoreMixin, checkpoint_info, human_bytes
 
 
@@ -436,10 +435,7 @@ class SnapSpawnerMixin(RestoreMixin):
     async def _start_fresh(self):
         reserved = self._reserved_ports()
         if self.port == 0 or self.port in reserved:
-            port = random_port()
-            while port in reserved:
-                port = random_port()
-            self.port = port
+            self.port = server_port(self.ip, reserved)
         env = self.get_env()
         cmd = self.server_command(env)
         log_path = self.server_log_path()

@@ -9,22 +9,20 @@ import socket
 _given: set[int] = set()
 
 
-def _ephemeral_low() -> int:
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now, below the kernel's
     ephemeral range: a port from that range, released, can be handed to any outgoing
     connection (or to JupyterHub's own random_port) before the server that asked for it
-    binds it, which made a service fail with "Address already in use". Never the same
-    port twice in one test run."""
-    low = min(_ephemeral_low(), 61000)
-    start, end = worker_share(max(1024, low - 16000), low)
+    binds it, which made a service fail with "Address already in use". Below the ports
+    the spawner picks single-user servers' ports from (procs.server_port), so a test's
+    server never takes the port a spawned server is about to bind. Never the same port
+    twice in one test run."""
+    # imported here: .ci/install-runtime.sh loads this module (worker_share) before the
+    # package's dependencies are installed
+    from jupyterhub_gpusnap.procs import SERVER_PORTS, ephemeral_low
+
+    low = min(ephemeral_low(), 61000) - SERVER_PORTS
+    start, end = worker_share(max(1024, low - 10000), low)
     for _ in range(200):
         port = random.randrange(start, end)
         if port in _given:
