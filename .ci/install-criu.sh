@@ -10,7 +10,9 @@
 # with it, and merges the dump's 1 MiB runs of pages into ranges (larger requests, at most
 # 8 MiB of them in flight), lets go of memory a process unmaps before it came (upstream
 # could ask for it again for ever) and follows memory it moves (upstream could leave it
-# zero-filled); and `criu dump` no longer makes a whole process eager when a
+# zero-filled), copies again what a changing memory map refused instead of asking again,
+# and copies the background transfer into the processes on copier threads while it
+# receives the next pages; and `criu dump` no longer makes a whole process eager when a
 # thread's stack pointer is on a page boundary (docs/lazy-restore.md).
 # Debian bookworm's packaged criu (3.17) fails `criu check` on kernels >= 6.13 and
 # 4.1 cannot dump TCP sockets there; 4.2 works. Idempotent: does nothing when a
@@ -28,7 +30,7 @@ markers=('rlimit %d from /proc/%d/limits' '#PF at 0x%llx: asking for %llu bytes,
   'answer for 0x%lx of %lu taken ahead of %d earlier requests' 'fault-around: %lu pages at 0x%lx'
   'page at %lx holds a stack pointer: not lazy' 'runs of pages merged: the longest is %lu bytes'
   'dropping %llu bytes of ranges at %llx' 'remap: %d requests in flight asked for again at the new place'
-  'copy refused while the memory map changed')
+  'copy refused while the memory map changed' 'lazy-pages: %d copiers')
 have=$(criu --version 2>/dev/null | awk '/^Version:/{print $2}' || true)
 patched() {
   local m

@@ -11,6 +11,10 @@ The daemon's own pace, from its background answers of 4 MiB (the largest it asks
 background request, which it makes once the copy is done; ``receive_ms`` (median) and
 ``receive_p90_ms``, from a background request to its next copy of 4 MiB, the time it spent
 receiving the answer or waiting for it (docs/lazy-restore.md, "What holds the transfer back").
+With copier threads (CRIU patch 0011) the daemon hands each background answer over
+(``uffd_copy: … by a copier``) and ``copy_ms`` is that hand-over; ``copier_ms`` and
+``copier_p90_ms`` are a copier's own time for 4 MiB, ``copier_copies`` how many it copied, and
+``last_copy_s`` counts the copiers' last copy.
 
 Usage: ``python bench/lazy_pages_log.py LOG [LOG ...] [--until SECONDS]`` (``--until``:
 count only the faults before then, e.g. the kernel's first answer).
@@ -33,6 +37,7 @@ COPY = re.compile(r"uffd_copy: 0x([0-9a-f]+)/(\d+)")
 BACKGROUND = re.compile(r"background: (\d+) pages at 0x([0-9a-f]+)")
 QUEUED = re.compile(r"#PF at 0x([0-9a-f]+)$")
 AROUND = re.compile(r"fault-around: (\d+) pages at 0x([0-9a-f]+)")
+COPIER = re.compile(r"copier: (\d+) of (\d+) pages at 0x([0-9a-f]+) in (\d+) us")
 FULL = 4 << 20  # the background transfer's largest answer (CRIU patch 0002: MAX_XFER_LEN)
 
 
@@ -54,7 +59,8 @@ def summarize(path: Path, until: float | None = None) -> list[dict]:
     procs: dict[int, dict] = defaultdict(
         lambda: {"faults": [], "pending": {}, "background": 0, "bg_bytes": 0, "copied": 0,
                  "first_fault": None, "last_fault": None, "last_copy": None, "faulted": 0,
-                 "around": 0, "around_bytes": 0, "copy": [], "receive": [], "last": None}
+                 "around": 0, "around_bytes": 0, "copy": [], "receive": [], "last": None,
+                 "copier": []}
     )  # fmt: skip
     for line in _lines(path):
         m = LINE.match(line.rstrip("\n"))
@@ -80,6 +86,10 @@ def summarize(path: Path, until: float | None = None) -> list[dict]:
                 if p["last"] is not None and p["last"][0] == "request":
                     p["receive"].append(t - p["last"][1])
                 p["last"] = ("copy", t)
+        elif k := COPIER.match(what):
+            p["last_copy"] = t
+            if int(k.group(1)) * 4096 == FULL:
+                p["copier"].append(int(k.group(4)) / 1e6)
         elif a := AROUND.match(what):
             if until is None or t <= until:
                 p["around"] += 1
@@ -109,6 +119,8 @@ def summarize(path: Path, until: float | None = None) -> list[dict]:
             "copies_4mib": len(p["copy"]),
             "copy_ms": _ms(p["copy"]), "receive_ms": _ms(p["receive"]),
             "receive_p90_ms": _ms(p["receive"], 0.9),
+            "copier_copies": len(p["copier"]), "copier_ms": _ms(p["copier"]),
+            "copier_p90_ms": _ms(p["copier"], 0.9),
         })  # fmt: skip
     return rows
 

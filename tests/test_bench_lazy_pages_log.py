@@ -35,3 +35,27 @@ def test_the_daemons_copy_and_receive_times(tmp_path):
     # receiving: 1.000 -> 1.001, 1.0025 -> 1.003, 1.004 -> 1.010 (lower median; 90th pct)
     assert row["receive_ms"] == 1.0 and row["receive_p90_ms"] == 1.0
     assert lazy_pages_log._ms([0.001, 0.002, 0.003, 0.004, 0.006], 0.9) == 4.0
+
+
+COPIER_LOG = """\
+(01.000000) uffd: 9-14: background: 1024 pages at 0x1000000, up to 8 requests in flight
+(01.001000) uffd: 9-14: uffd_copy: 0x1000000/4194304 by a copier
+(01.001100) uffd: 9-14: background: 1024 pages at 0x1400000, up to 8 requests in flight
+(01.002000) uffd: 9-14: uffd_copy: 0x1400000/4194304 by a copier
+(01.002500) uffd: 9-14: copier: 1024 of 1024 pages at 0x1000000 in 1400 us, errno 0
+(01.003000) uffd: 9-14: copier: 1024 of 1024 pages at 0x1400000 in 1600 us, errno 0
+(01.004000) uffd: 9-14: copier: 16 of 16 pages at 0x9000 in 30 us, errno 0
+"""
+
+
+def test_the_copiers_times(tmp_path):
+    log = tmp_path / "lazy-pages.log"
+    log.write_text(COPIER_LOG)
+    (row,) = lazy_pages_log.summarize(log)
+    # two 4 MiB copies (1.4 and 1.6 ms; lower median), not the 64 KiB one
+    assert row["copier_copies"] == 2 and row["copier_ms"] == 1.4
+    assert row["copier_p90_ms"] == 1.4
+    # the hand-over (1.001 -> 1.0011) is the daemon's own copy time now
+    assert row["copy_ms"] == 0.1
+    # the copiers' last copy, not the last hand-over
+    assert row["last_copy_s"] == 1.004

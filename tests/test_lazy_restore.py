@@ -405,8 +405,9 @@ async def test_memory_a_process_gives_back_while_it_arrives_reads_zero_filled(
     assert (await ask(tree.port, "hash"))["now"] == before["digest"]
 
 
+@pytest.mark.parametrize("copiers", ["0", "4"])
 async def test_pages_refused_while_the_process_unmaps_are_copied_again_not_sent_again(
-    tmp_path, process_tree, staging, pool
+    tmp_path, process_tree, staging, pool, monkeypatch, copiers
 ):
     """While a process unmaps memory, the kernel refuses every copy into it (EAGAIN) until
     the daemon has read the unmap's event; upstream then asked the page server for the same
@@ -415,7 +416,10 @@ async def test_pages_refused_while_the_process_unmaps_are_copied_again_not_sent_
     holds again (logged) once it has read the events, for up to 250 ms. Here a thread
     unmaps 4,096 mappings of 16 KiB in a row from the moment the tree runs: without the
     patch 5-17 refused copies were asked for again in each of 3 runs; with it 569-1,324
-    copies were refused in each of 6 runs and none was asked for again."""
+    copies were refused in each of 6 runs and none was asked for again. With copier threads
+    (patch 0011, ``CRIU_LAZY_COPIERS``) a copier tries a refused copy again itself while the
+    daemon reads the events."""
+    monkeypatch.setenv("CRIU_LAZY_COPIERS", copiers)
     # the holder's thread unmaps as soon as it runs again
     lr, tree, before = await lazily_restored(tmp_path, process_tree, staging, pool,
                                              CHURN_HOLDER, go="churn.go")  # fmt: skip
@@ -424,15 +428,24 @@ async def test_pages_refused_while_the_process_unmaps_are_copied_again_not_sent_
     await asyncio.wait_for(lr.done, 120)
     log = (staging / lazy.LAZY_LOG).read_text()
     (tmp_path / lazy.LAZY_LOG).write_text(log)  # kept with the test's files
+    assert lr.daemon.returncode == 0 and "UNMAP" in log
+    assert f"lazy-pages: {copiers} copiers" in log
+    # refused here: each refusal ends in a copy, or in nothing to copy when that memory
+    # itself was unmapped
     refused = len(re.findall(r"mcopy_rc:-11", log))
-    # each refusal ends in a copy, or in nothing to copy when that memory itself was unmapped
     ended = re.findall(r"copy refused while the memory map changed: (?:\d+ pages at \S+ copied"
                        r"|image \S+ unmapped meanwhile|\S+ asked for (again))", log)  # fmt: skip
-    assert lr.daemon.returncode == 0 and "UNMAP" in log
+    # refused in a copier: it copied them all (errno 0), or stopped as that memory itself
+    # was unmapped (ESTALE, 116)
+    by_copiers = re.findall(r"copier: (\d+) of (\d+) pages at \S+ in \d+ us, errno (\d+), (\d+) refused",
+                            log)  # fmt: skip
+    refused += sum(int(n) for *_, n in by_copiers)
     assert refused > 0, "no copy was refused: the unmaps came after the transfer"
-    assert ended and "again" not in ended, (
+    given_up = [c for c in by_copiers if int(c[3]) and c[2] not in ("0", "116")]
+    assert "again" not in ended and not given_up, (
         f"{refused} copies refused; {len(ended)} ended, {ended.count('again')} by asking the "
-        "page server again (nothing logged: by asking it again, as upstream does)"
+        f"page server again (nothing logged: by asking it again, as upstream does); copiers "
+        f"gave up {given_up}"
     )
     assert (await ask(tree.port, "hash"))["now"] == before["digest"]
 
@@ -462,7 +475,7 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
     server is gone before its last page (the Hub stopped) is failed by recover()."""
     backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "files")
     lazyb = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0,
-                         restore_mode="lazy")  # fmt: skip
+                         restore_mode="lazy", lazy_copiers=2)  # fmt: skip
     pid = (await lazyb.restore(await lazyb.get(lazyb._id(folder)))).pid
     tree.pid = pid
     m = Manifest.load(folder)
@@ -497,6 +510,9 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
     waits = [done[f"lazy_{k}_wait_s"] for k in ("read", "send", "idle")]
     assert all(w >= 0 for w in waits) and 0 < sum(waits) < 60, done
     assert "lazy_pending" not in m.extra and not lazyb.lazy_restores
+    # LocalBackend.lazy_copiers reached the daemon (CRIU patch 0011), whose copiers copied
+    log = (folder / lazy.LAZY_LOG).read_text()
+    assert "lazy-pages: 2 copiers" in log and re.search(r"copier: 1024 of 1024 pages", log)
 
     # as a Hub that stopped mid-transfer leaves it: the guard killed the tree
     m.extra["lazy_pending"] = True

@@ -470,6 +470,7 @@ LAZY_PATCHES = {
     "0008-lazy-pages-drop-unmapped-ranges": "dropping %llu bytes of ranges at %llx",
     "0009-lazy-pages-remap-requests-in-flight": "remap: %d requests in flight asked for again at the new place",
     "0010-lazy-pages-copy-again-after-map-change": "copy refused while the memory map changed",
+    "0011-lazy-pages-copiers": "lazy-pages: %d copiers",
 }  # fmt: skip
 
 _lazy_missing: dict[tuple, list[str]] = {}
@@ -513,6 +514,7 @@ async def start_lazy_pages(
     criu: str = "",
     log_name: str = "lazy-pages.log",
     timeout: float = 60,
+    copiers: int | None = None,
 ) -> subprocess.Popen:
     """Start ``criu lazy-pages`` for the image in ``directory``; return once it listens.
 
@@ -521,8 +523,9 @@ async def start_lazy_pages(
     could reach); ``--status-fd`` tells when its socket for ``criu restore --lazy-pages``
     (``lazy-pages.socket`` in ``directory``) is ready. It runs in its own session, is not
     detached (the caller reaps it: its exit status says whether every page arrived) and
-    logs to ``<directory>/<log_name>``. Raises :class:`CheckpointError` with the log tail
-    if it does not get ready.
+    logs to ``<directory>/<log_name>``. ``copiers``: how many threads copy the pages it
+    receives into the processes (``CRIU_LAZY_COPIERS``, patch 0011; None: CRIU's default,
+    4). Raises :class:`CheckpointError` with the log tail if it does not get ready.
     """
     binary = find_criu(criu)
     if not binary:
@@ -533,9 +536,13 @@ async def start_lazy_pages(
         binary, "lazy-pages", "-D", str(directory), "-o", log_name, "-v4",
         "--page-server", "--ps-socket", str(ps_socket), "--status-fd", str(ready_w),
     ]  # fmt: skip
+    env = None
+    if copiers is not None:
+        env = {**os.environ, "CRIU_LAZY_COPIERS": str(copiers)}
     try:
         proc = subprocess.Popen(
             args,
+            env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -290,11 +290,13 @@ async def restore(
     extra: list[str] | tuple[str, ...] = (),
     timeout: float = 600,
     poll: float = 0.05,
+    copiers: int | None = None,
 ) -> LazyRestore:
     """Restore ``image`` lazily, CRIU working in ``staging`` (a new, empty, root-only
     folder the caller removes afterwards; its logs are CRIU's). Returns once the tree
     runs, with :attr:`LazyRestore.done` to await for the rest. ``pidfile``, ``tcp``,
     ``shell_job``, ``extra``, ``timeout``: as :func:`.criu.restore` takes them.
+    ``copiers``: the daemon's copier threads (:func:`.criu.start_lazy_pages`).
 
     Raises :class:`CheckpointError` (nothing left running) when the image is damaged, has
     no page sums (files: restore eagerly then), or CRIU fails.
@@ -332,7 +334,7 @@ async def restore(
     try:
         try:
             daemon = await criu.start_lazy_pages(
-                staging, theirs.fileno(), criu=criu_path, log_name=LAZY_LOG
+                staging, theirs.fileno(), criu=criu_path, log_name=LAZY_LOG, copiers=copiers
             )
         finally:
             theirs.close()

@@ -336,6 +336,20 @@ class LocalBackend(
         docs/lazy-restore.md ("GPU").""",
     ).tag(config=True)
 
+    lazy_copiers = Integer(
+        4,
+        min=0,
+        max=16,
+        help="""restore_mode = 'lazy': threads of CRIU's lazy-pages daemon that copy the pages
+        arriving in the background into the restored server (CRIU patch 0011), while the
+        daemon receives the next ones. 0: the daemon copies them itself, one at a time (on
+        an H100 host every page was then in at 1.3-1.9 GB/s whatever the disks could give).
+        A page a process waits for is always copied at once by the daemon itself. Each
+        copier holds up to two answers of 8 MiB buffer: 4 copiers, 64 MiB at most per
+        restore in flight. Used where restores run (the Hub); measured in
+        docs/lazy-restore.md ("What holds the transfer back").""",
+    ).tag(config=True)
+
     restore_pipe_bytes = Integer(
         PIPE_BYTES,
         help="""Size of the pipe each image file goes through to CRIU in a streamed restore

@@ -133,7 +133,7 @@ class LazyRestoreMixin:
                     criu_path=self.criu_path, tcp=m.tcp_mode, shell_job=m.shell_job,
                     extra=[*sandbox.restore_args(bool(m.extra.get("mount_namespace"))),
                            *self.restore_extra_args],
-                    timeout=timeout,
+                    timeout=timeout, copiers=self.lazy_copiers,
                 )  # fmt: skip
         except CheckpointError as e:
             # nothing runs: the eager restore checks the whole image and decides, as always
