@@ -21,11 +21,14 @@ checksums in the same pass), next to ``suspend_s``, the checkpoint call itself.
 ``served_mib`` / ``requests`` / ``fault_requests``: what the page server sent, in how
 many requests, and how many of its requests were for one page (page faults, and
 one-page ranges of the daemon's background transfer; the rest is background transfer).
+``--copiers N [N ...]``: lazy restores with each number of the daemon's copier threads
+(``LocalBackend.lazy_copiers``, CRIU patch 0011; 0: none), in turns with the eager one; one
+lazy row per number (default: CRIU's default).
 ``--repeated F``: the last part F of the data is one byte over and over, like the zero-filled
 buffers of a GPU process; the chunk store cuts it into its smallest chunks.
 
 Usage: ``python bench/lazy_restore.py [--gib 0.2 1 2] [--restores N] [--warm] [--repeated F]
-[--name NAME]``
+[--copiers N ...] [--name NAME]``
 → bench/results/lazy_restore.json (or NAME.json; ``--warm``: the image is left in the page
 cache, which separates reading the disk from the rest). Needs root, CRIU >= 4.2 and
 userfaultfd (``criu check --feature uffd-noncoop``).
@@ -58,7 +61,7 @@ from jupyterhub_gpusnap.checkpoint.page_sums import write_sums
 from jupyterhub_gpusnap.model import Server
 
 COLUMNS = [
-    "gib", "storage", "mode", "answer_s", "answer_min_s", "answer_max_s", "all_in_s",
+    "gib", "storage", "mode", "copiers", "answer_s", "answer_min_s", "answer_max_s", "all_in_s",
     "all_in_ratio", "intact", "suspend_s", "sums_s", "served_mib", "requests", "fault_requests",
 ]  # fmt: skip
 
@@ -173,7 +176,9 @@ async def restore_eager(backend: LocalBackend, info, port: int) -> dict:
     return {"answer_s": answered, "all_in_s": all_in, "now": now}
 
 
-async def restore_lazy(backend: LocalBackend, folder: Path, m: Manifest, port: int, pool) -> dict:
+async def restore_lazy(
+    backend: LocalBackend, folder: Path, m: Manifest, port: int, pool, copiers: int | None
+) -> dict:
     if m.storage == "chunks":
         image = lazy.ChunksImage(backend.chunk_store(), m.key_id, m.chunks, m.sizes)
     else:
@@ -184,7 +189,7 @@ async def restore_lazy(backend: LocalBackend, folder: Path, m: Manifest, port: i
         lr = await lazy.restore(
             image, staging, staging / "restore.pid", pool=pool, tcp=m.tcp_mode,
             shell_job=m.shell_job,
-            extra=sandbox.restore_args(bool(m.extra.get("mount_namespace"))),
+            extra=sandbox.restore_args(bool(m.extra.get("mount_namespace"))), copiers=copiers,
         )  # fmt: skip
         await answer(port)
         answered = time.monotonic() - t
@@ -228,26 +233,27 @@ async def run(sizes: list[float], restores: int, root: Path) -> list[dict]:
                 )
                 sums_s = time.monotonic() - t
                 assert not problems, problems
-            runs: dict[str, list[dict]] = {"eager": [], "lazy": []}
+            modes = [("eager", None)] + [("lazy", c) for c in COPIERS]
+            runs: dict[tuple, list[dict]] = {mode: [] for mode in modes}
             for _ in range(restores):
-                for mode in ("eager", "lazy"):  # in turns: a drifting machine slows both
+                for mode in modes:  # in turns: a drifting machine slows all
                     m = Manifest.load(folder)
                     m.status = "verified"
                     m.save(folder)
                     if not WARM:
                         await asyncio.to_thread(drop, backend, folder, m)
-                    if mode == "eager":
+                    if mode[0] == "eager":
                         got = await restore_eager(backend, info, h.port)
                     else:
-                        got = await restore_lazy(backend, folder, m, h.port, pool)
+                        got = await restore_lazy(backend, folder, m, h.port, pool, mode[1])
                     got["intact"] = got.pop("now") == before
                     runs[mode].append(got)
-            eager_all_in = statistics.median(r["all_in_s"] for r in runs["eager"])
-            for mode, got in runs.items():
+            eager_all_in = statistics.median(r["all_in_s"] for r in runs[("eager", None)])
+            for (mode, copiers), got in runs.items():
                 answers = [r["answer_s"] for r in got]
                 all_in = statistics.median(r["all_in_s"] for r in got)
                 rows.append({
-                    "gib": gib, "storage": storage, "mode": mode,
+                    "gib": gib, "storage": storage, "mode": mode, "copiers": copiers,
                     "answer_s": round(statistics.median(answers), 3),
                     "answer_min_s": round(min(answers), 3),
                     "answer_max_s": round(max(answers), 3),
@@ -265,12 +271,13 @@ async def run(sizes: list[float], restores: int, root: Path) -> list[dict]:
     return rows
 
 
+COPIERS: list = [None]  # --copiers: the lazy restores' copier threads (None: CRIU's default)
 WARM = False  # --warm: the image stays in the page cache (separates the disk from the rest)
 REPEATED = 0.0  # --repeated: the part of the data that is one byte over and over
 
 
 def main() -> None:
-    global WARM, REPEATED
+    global WARM, REPEATED, COPIERS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, nargs="+", default=[0.2, 1, 2])
     ap.add_argument("--restores", type=int, default=1)
@@ -280,8 +287,10 @@ def main() -> None:
     ap.add_argument("--repeated", type=float, default=0.0,
                     help="the part of the data (0-1) that is one byte over and over, like the "
                     "zero-filled buffers of a GPU process: it is cut into the smallest chunks")  # fmt: skip
+    ap.add_argument("--copiers", type=int, nargs="+", default=[None],
+                    help="lazy restores with each number of copier threads (0: none)")  # fmt: skip
     args = ap.parse_args()
-    WARM, REPEATED = args.warm, args.repeated
+    WARM, REPEATED, COPIERS = args.warm, args.repeated, args.copiers
     root = Path(args.dir or tempfile.mkdtemp(prefix="gpusnap-bench-lazy-", dir="/var/tmp"))
     root.mkdir(parents=True, exist_ok=True)
     try:
@@ -290,7 +299,8 @@ def main() -> None:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     table = print_table(rows, COLUMNS)
-    write_json(args.name, rows, restores=args.restores, warm=WARM, repeated=REPEATED, table=table)
+    write_json(args.name, rows, restores=args.restores, warm=WARM, repeated=REPEATED,
+               copiers=COPIERS, table=table)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -583,15 +583,41 @@ async def test_a_criu_without_the_lazy_patches_restores_eagerly_naming_them(
     assert "install CRIU with .ci/install-criu.sh" in caplog.text
 
 
+async def test_copiers_asked_of_a_criu_without_them_are_named_at_the_start(tmp_path, caplog):
+    """Copier threads (patch 0011) are a speed-up, not a need: a CRIU with 0002-0010 but not
+    0011 still restores lazily, and LocalBackend.lazy_copiers > 0 says at the start that
+    its daemon copies on one thread, and how to get them."""
+    real = Path(criu.find_criu())
+    data = real.read_bytes()
+    marker = criu.COPIER_PATCHES["0011-lazy-pages-copiers"].encode()
+    older = tmp_path / "criu-0010"  # the same CRIU, its copier marker gone
+    older.write_bytes(data.replace(marker, marker[:-1] + b"Z"))
+    older.chmod(0o755)
+    assert criu.lazy_patches_missing(str(older)) == []
+    assert criu.lazy_patches_missing(str(older), criu.COPIER_PATCHES) == ["0011-lazy-pages-copiers"]
+    assert criu.lazy_patches_missing(patches=criu.COPIER_PATCHES) == []
+    caplog.set_level("WARNING")
+    for copiers in (0, 2):
+        caplog.clear()
+        await LocalBackend(checkpoint_dir=str(tmp_path / "ckpt"), min_free_bytes=0,
+                           restore_mode="lazy", criu_path=str(older),
+                           lazy_copiers=copiers).warm_up()  # fmt: skip
+        named = f"LocalBackend.lazy_copiers = 2: {older} lacks patch 0011" in caplog.text
+        assert named == bool(copiers), caplog.text
+        assert "every restore will be eager" not in caplog.text
+
+
 def test_the_lazy_patches_are_the_ones_install_criu_builds_and_checks():
     ci = Path(__file__).resolve().parent.parent / ".ci"
     script = (ci / "install-criu.sh").read_text()
     names = {p.name.removesuffix(".patch") for p in (ci / "criu-patches").glob("*.patch")}
-    for name, marker in criu.LAZY_PATCHES.items():
+    for name, marker in {**criu.LAZY_PATCHES, **criu.COPIER_PATCHES}.items():
         assert name in names, f"{name}.patch is not in .ci/criu-patches"
         assert f"'{marker}'" in script, f"install-criu.sh does not check for {name}'s marker"
     lazy_names = {n for n in names if "lazy" in n}
-    assert lazy_names == set(criu.LAZY_PATCHES), "a lazy-pages patch is not in LAZY_PATCHES"
+    assert lazy_names == set(criu.LAZY_PATCHES) | set(criu.COPIER_PATCHES), (
+        "a lazy-pages patch is in neither LAZY_PATCHES nor COPIER_PATCHES"
+    )
 
 
 class StandInDriver:

@@ -470,29 +470,33 @@ LAZY_PATCHES = {
     "0008-lazy-pages-drop-unmapped-ranges": "dropping %llu bytes of ranges at %llx",
     "0009-lazy-pages-remap-requests-in-flight": "remap: %d requests in flight asked for again at the new place",
     "0010-lazy-pages-copy-again-after-map-change": "copy refused while the memory map changed",
-    "0011-lazy-pages-copiers": "lazy-pages: %d copiers",
 }  # fmt: skip
+
+# Copier threads (LocalBackend.lazy_copiers): a speed-up, not needed for a lazy restore
+COPIER_PATCHES = {"0011-lazy-pages-copiers": "lazy-pages: %d copiers"}
 
 _lazy_missing: dict[tuple, list[str]] = {}
 
 
-def lazy_patches_missing(criu: str = "") -> list[str]:
-    """The patches of :data:`LAZY_PATCHES` the criu binary lacks (all of them when it cannot
-    be found or read). Read from the binary once per path, size and change time."""
+def lazy_patches_missing(criu: str = "", patches: dict[str, str] | None = None) -> list[str]:
+    """The patches of ``patches`` (default :data:`LAZY_PATCHES`) the criu binary lacks (all
+    of them when it cannot be found or read). Read from the binary once per path, size,
+    change time and set of patches."""
+    patches = LAZY_PATCHES if patches is None else patches
     binary = find_criu(criu)
     if not binary:
-        return list(LAZY_PATCHES)
+        return list(patches)
     try:
         real = os.path.realpath(binary)
         st = os.stat(real)
-        key = (real, st.st_size, st.st_mtime_ns)
+        key = (real, st.st_size, st.st_mtime_ns, tuple(patches))
         if key not in _lazy_missing:
             with open(real, "rb") as f:
                 data = f.read()
-            _lazy_missing[key] = [n for n, m in LAZY_PATCHES.items() if m.encode() not in data]
+            _lazy_missing[key] = [n for n, m in patches.items() if m.encode() not in data]
         return list(_lazy_missing[key])
     except OSError:
-        return list(LAZY_PATCHES)
+        return list(patches)
 
 
 def lazy_patches_lacking(criu: str = "") -> str:

@@ -337,17 +337,19 @@ class LocalBackend(
     ).tag(config=True)
 
     lazy_copiers = Integer(
-        4,
+        0,
         min=0,
         max=16,
         help="""restore_mode = 'lazy': threads of CRIU's lazy-pages daemon that copy the pages
-        arriving in the background into the restored server (CRIU patch 0011), while the
-        daemon receives the next ones. 0: the daemon copies them itself, one at a time (on
-        an H100 host every page was then in at 1.3-1.9 GB/s whatever the disks could give).
-        A page a process waits for is always copied at once by the daemon itself. Each
-        copier holds up to two answers of 8 MiB buffer: 4 copiers, 64 MiB at most per
-        restore in flight. Used where restores run (the Hub); measured in
-        docs/lazy-restore.md ("What holds the transfer back").""",
+        arriving in the background into the restored server (CRIU patch 0011) while the
+        daemon receives the next ones. 0 (default): the daemon copies them itself, one at a
+        time; on an H100 host every page was then in at 1.3-1.9 GB/s whatever the disks
+        could give. Copiers need cores to spare beside the page server and the server's
+        own work: on a 2-core machine 4 copiers brought no gain from files and made
+        restores from chunks 15 % slower, and they are not yet measured on a GPU host, so
+        they are off by default. A page a process waits for is always copied at once by
+        the daemon itself. Each copier holds up to two 8 MiB buffers (64 MiB per restore at
+        4). Used where restores run (the Hub); docs/lazy-restore.md ("Copier threads").""",
     ).tag(config=True)
 
     restore_pipe_bytes = Integer(
@@ -647,6 +649,20 @@ class LocalBackend(
                     "install CRIU with .ci/install-criu.sh",
                     lacking,
                     self.restore_mode,
+                )
+            elif (
+                not eager
+                and self.lazy_copiers
+                and await asyncio.to_thread(
+                    criu.lazy_patches_missing, self.criu_path, criu.COPIER_PATCHES
+                )
+            ):
+                self.log.warning(
+                    "LocalBackend.lazy_copiers = %d: %s lacks patch 0011 (copier threads) of "
+                    ".ci/criu-patches, its lazy-pages daemon copies on one thread; install "
+                    "CRIU with .ci/install-criu.sh",
+                    self.lazy_copiers,
+                    criu.find_criu(self.criu_path) or "criu",
                 )
         except CheckpointRefused as e:
             self.log.error("local checkpoints disabled until fixed: %s", e)
