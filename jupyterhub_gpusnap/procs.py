@@ -142,7 +142,7 @@ def server_port(ip: str, reserved: set[int] = frozenset()) -> int:
     """
     high = min(ephemeral_low(), 65536)
     low = max(1024, high - SERVER_PORTS)
-    for _ in range(200):
+    for _ in range(200 if high - low >= 100 else 0):  # no room below a range set that low
         port = random.randrange(low, high)
         if port not in reserved and can_listen(ip, port):
             return port

@@ -42,6 +42,12 @@ def test_the_pick_skips_a_port_something_listens_on_and_a_reserved_one(monkeypat
         held.close()
 
 
+def test_an_ephemeral_range_from_1024_up_leaves_the_pick_to_the_kernel(monkeypatch):
+    monkeypatch.setattr(procs, "ephemeral_low", lambda: 1024)
+    port = procs.server_port("127.0.0.1", {1})
+    assert port >= 1024 and procs.can_listen("127.0.0.1", port)
+
+
 @pytest.mark.e2e
 async def test_a_spawned_server_listens_below_the_ephemeral_range(hub_factory, tmp_path):
     hub = await hub_factory(snap_config(tmp_path / "ckpt"))
