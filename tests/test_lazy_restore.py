@@ -420,27 +420,36 @@ async def test_pages_refused_while_the_process_unmaps_are_copied_again_not_sent_
     (patch 0011, ``CRIU_LAZY_COPIERS``) a copier tries a refused copy again itself while the
     daemon reads the events."""
     monkeypatch.setenv("CRIU_LAZY_COPIERS", copiers)
-    # the holder's thread unmaps as soon as it runs again
-    lr, tree, before = await lazily_restored(tmp_path, process_tree, staging, pool,
-                                             CHURN_HOLDER, go="churn.go")  # fmt: skip
-    got = await ask(tree.port, "churn")
-    assert got["pieces"] == 8, "the pieces did not hold their bytes"
-    await asyncio.wait_for(lr.done, 120)
-    log = (staging / lazy.LAZY_LOG).read_text()
-    (tmp_path / lazy.LAZY_LOG).write_text(log)  # kept with the test's files
-    assert lr.daemon.returncode == 0 and "UNMAP" in log
-    assert f"lazy-pages: {copiers} copiers" in log
-    # refused here: each refusal ends in a copy, or in nothing to copy when that memory
-    # itself was unmapped
-    refused = len(re.findall(r"mcopy_rc:-11", log))
-    ended = re.findall(r"copy refused while the memory map changed: (?:\d+ pages at \S+ copied"
-                       r"|image \S+ unmapped meanwhile|\S+ asked for (again))", log)  # fmt: skip
-    # refused in a copier: it copied them all (errno 0), or stopped as that memory itself
-    # was unmapped (ESTALE, 116)
-    by_copiers = re.findall(r"copier: (\d+) of (\d+) pages at \S+ in \d+ us, errno (\d+), (\d+) refused",
-                            log)  # fmt: skip
-    refused += sum(int(n) for *_, n in by_copiers)
-    assert refused > 0, "no copy was refused: the unmaps came after the transfer"
+    # Whether a copy meets an unmap under way is a matter of timing: on a loaded 2-core
+    # machine all 4,096 unmaps once came and went between two copies. Up to three tries
+    # of the whole scenario; what is checked is what happened to the refused copies.
+    for attempt in range(3):
+        where = staging / f"try{attempt}"
+        where.mkdir()
+        # the holder's thread unmaps as soon as it runs again
+        lr, tree, before = await lazily_restored(tmp_path / f"try{attempt}", process_tree,
+                                                 where, pool, CHURN_HOLDER, go="churn.go")  # fmt: skip
+        got = await ask(tree.port, "churn")
+        assert got["pieces"] == 8, "the pieces did not hold their bytes"
+        await asyncio.wait_for(lr.done, 120)
+        log = (where / lazy.LAZY_LOG).read_text()
+        (tmp_path / f"{lazy.LAZY_LOG}.{attempt}").write_text(log)  # kept with the test's files
+        assert lr.daemon.returncode == 0 and "UNMAP" in log
+        assert f"lazy-pages: {copiers} copiers" in log
+        # refused here: each refusal ends in a copy, or in nothing to copy when that memory
+        # itself was unmapped
+        refused = len(re.findall(r"mcopy_rc:-11", log))
+        ended = re.findall(r"copy refused while the memory map changed: (?:\d+ pages at \S+ copied"
+                           r"|image \S+ unmapped meanwhile|\S+ asked for (again))", log)  # fmt: skip
+        # refused in a copier: it copied them all (errno 0), or stopped as that memory
+        # itself was unmapped (ESTALE, 116)
+        by_copiers = re.findall(r"copier: (\d+) of (\d+) pages at \S+ in \d+ us, errno (\d+), "
+                                r"(\d+) refused", log)  # fmt: skip
+        refused += sum(int(n) for *_, n in by_copiers)
+        if refused:
+            break
+        tree.kill()
+    assert refused > 0, "no copy was refused in 3 tries: the unmaps came between copies"
     given_up = [c for c in by_copiers if int(c[3]) and c[2] not in ("0", "116")]
     assert "again" not in ended and not given_up, (
         f"{refused} copies refused; {len(ended)} ended, {ended.count('again')} by asking the "
