@@ -98,17 +98,22 @@ def listen_address(pid: int) -> tuple[str, int]:
     return "", 0
 
 
-def port_holder(ip: str, port: int) -> str | None:
-    """None if ``ip:port`` can be listened on now, else who holds it ("pid N (name)")."""
-    ip = ip if ip not in ("", "0.0.0.0") else "127.0.0.1"
+def can_listen(ip: str, port: int) -> bool:
+    """Whether a server could listen on ``ip:port`` now (``""`` means every address)."""
     family = socket.AF_INET6 if ":" in ip else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((ip, port))
-            return None
         except OSError:
-            pass
+            return False
+    return True
+
+
+def port_holder(ip: str, port: int) -> str | None:
+    """None if ``ip:port`` can be listened on now, else who holds it ("pid N (name)")."""
+    if can_listen(ip if ip not in ("", "0.0.0.0") else "127.0.0.1", port):
+        return None
     with contextlib.suppress(psutil.Error, OSError):
         for c in psutil.net_connections(kind="tcp"):
             if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN and c.pid:
@@ -153,15 +158,3 @@ def server_port(ip: str, reserved: set[int] = frozenset()) -> int:
             port = s.getsockname()[1]
         if port not in reserved:
             return port
-
-
-def can_listen(ip: str, port: int) -> bool:
-    """Whether a server could listen on ``ip:port`` now (``""`` means every address)."""
-    family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((ip, port))
-        except OSError:
-            return False
-    return True

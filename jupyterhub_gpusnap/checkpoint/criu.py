@@ -475,13 +475,13 @@ LAZY_PATCHES = {
 # Copier threads (LocalBackend.lazy_copiers): a speed-up, not needed for a lazy restore
 COPIER_PATCHES = {"0011-lazy-pages-copiers": "lazy-pages: %d copiers"}
 
-_lazy_missing: dict[tuple, list[str]] = {}
+_lazy_missing: dict[tuple, set[str]] = {}
 
 
 def lazy_patches_missing(criu: str = "", patches: dict[str, str] | None = None) -> list[str]:
     """The patches of ``patches`` (default :data:`LAZY_PATCHES`) the criu binary lacks (all
-    of them when it cannot be found or read). Read from the binary once per path, size,
-    change time and set of patches."""
+    of them when it cannot be found or read). The binary is read once per path, size and
+    change time, for every patch of LAZY_PATCHES and COPIER_PATCHES."""
     patches = LAZY_PATCHES if patches is None else patches
     binary = find_criu(criu)
     if not binary:
@@ -489,12 +489,13 @@ def lazy_patches_missing(criu: str = "", patches: dict[str, str] | None = None) 
     try:
         real = os.path.realpath(binary)
         st = os.stat(real)
-        key = (real, st.st_size, st.st_mtime_ns, tuple(patches))
+        key = (real, st.st_size, st.st_mtime_ns)
         if key not in _lazy_missing:
             with open(real, "rb") as f:
                 data = f.read()
-            _lazy_missing[key] = [n for n, m in patches.items() if m.encode() not in data]
-        return list(_lazy_missing[key])
+            known = {**LAZY_PATCHES, **COPIER_PATCHES}
+            _lazy_missing[key] = {n for n, m in known.items() if m.encode() not in data}
+        return [n for n in patches if n in _lazy_missing[key]]
     except OSError:
         return list(patches)
 
