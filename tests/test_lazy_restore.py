@@ -405,7 +405,7 @@ async def test_memory_a_process_gives_back_while_it_arrives_reads_zero_filled(
     assert (await ask(tree.port, "hash"))["now"] == before["digest"]
 
 
-@pytest.mark.parametrize("copiers", ["0", "4"])
+@pytest.mark.parametrize("copiers", ["0", "4", "1"])
 async def test_pages_refused_while_the_process_unmaps_are_copied_again_not_sent_again(
     tmp_path, process_tree, staging, pool, monkeypatch, copiers
 ):
@@ -418,7 +418,10 @@ async def test_pages_refused_while_the_process_unmaps_are_copied_again_not_sent_
     patch 5-17 refused copies were asked for again in each of 3 runs; with it 569-1,324
     copies were refused in each of 6 runs and none was asked for again. With copier threads
     (patch 0011, ``CRIU_LAZY_COPIERS``) a copier tries a refused copy again itself while the
-    daemon reads the events."""
+    daemon reads the events. One copier (two buffers handed over) fills up soonest: with the
+    first version of 0011, whose daemon did not read events while it waited for a copier to
+    free a buffer, its copies were refused until it gave up (250 ms each, 22-24 gave up in 2
+    of 3 runs, and so did 4 copiers once on a loaded CI machine); now it reads them."""
     monkeypatch.setenv("CRIU_LAZY_COPIERS", copiers)
     # Whether a copy meets an unmap under way is a matter of timing: on a loaded 2-core
     # machine all 4,096 unmaps once came and went between two copies. Up to three tries

@@ -473,7 +473,7 @@ LAZY_PATCHES = {
 }  # fmt: skip
 
 # Copier threads (LocalBackend.lazy_copiers): a speed-up, not needed for a lazy restore
-COPIER_PATCHES = {"0011-lazy-pages-copiers": "lazy-pages: %d copiers"}
+COPIER_PATCHES = {"0011-lazy-pages-copiers": "copier: %d events read while waiting for a buffer"}
 
 _lazy_missing: dict[tuple, set[str]] = {}
 

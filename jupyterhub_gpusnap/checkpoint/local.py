@@ -659,8 +659,8 @@ class LocalBackend(
             ):
                 self.log.warning(
                     "LocalBackend.lazy_copiers = %d: %s lacks patch 0011 (copier threads) of "
-                    ".ci/criu-patches, its lazy-pages daemon copies on one thread; install "
-                    "CRIU with .ci/install-criu.sh",
+                    ".ci/criu-patches, or has its first version; its lazy-pages daemon "
+                    "copies on one thread; install CRIU with .ci/install-criu.sh",
                     self.lazy_copiers,
                     criu.find_criu(self.criu_path) or "criu",
                 )
