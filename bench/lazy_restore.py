@@ -23,12 +23,21 @@ many requests, and how many of its requests were for one page (page faults, and
 one-page ranges of the daemon's background transfer; the rest is background transfer).
 ``--copiers N [N ...]``: lazy restores with each number of the daemon's copier threads
 (``LocalBackend.lazy_copiers``, CRIU patch 0011; 0: none), in turns with the eager one; one
-lazy row per number (default: CRIU's default).
+lazy row per number (default: CRIU's default). ``--shared MIB [MIB ...]``: lazy restores
+with the pages going through that much memory shared with the daemon instead of the socket
+(``LocalBackend.lazy_shared_mib``, CRIU patch 0012; 0: the socket), for each copier setting.
+Where a lazy restore's time went (medians): ``staged_s`` (the small files and the eager pages
+staged and checked), ``running_s`` (until the tree runs: staging and CRIU's restore of the
+tree), and the page server's waits while the memory came: ``read_wait_s`` (an answer was
+asked for and still being read and checked), ``send_wait_s`` (the daemon had not taken the
+last answer: it was copying), ``idle_wait_s`` (nothing was asked for). ``--logs DIR`` keeps
+the daemon's log of the last lazy restore of each storage and copier setting
+(``python bench/lazy_pages_log.py DIR/*.log`` reads them).
 ``--repeated F``: the last part F of the data is one byte over and over, like the zero-filled
 buffers of a GPU process; the chunk store cuts it into its smallest chunks.
 
 Usage: ``python bench/lazy_restore.py [--gib 0.2 1 2] [--restores N] [--warm] [--repeated F]
-[--copiers N ...] [--name NAME]``
+[--copiers N ...] [--shared MIB ...] [--logs DIR] [--name NAME]``
 → bench/results/lazy_restore.json (or NAME.json; ``--warm``: the image is left in the page
 cache, which separates reading the disk from the rest). Needs root, CRIU >= 4.2 and
 userfaultfd (``criu check --feature uffd-noncoop``).
@@ -54,15 +63,16 @@ from pathlib import Path
 from common import print_table, write_json
 
 from jupyterhub_gpusnap import sandbox
-from jupyterhub_gpusnap.checkpoint import lazy
+from jupyterhub_gpusnap.checkpoint import criu, lazy
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest, drop_cached, is_pages_file
 from jupyterhub_gpusnap.checkpoint.page_sums import write_sums
 from jupyterhub_gpusnap.model import Server
 
 COLUMNS = [
-    "gib", "storage", "mode", "copiers", "answer_s", "answer_min_s", "answer_max_s", "all_in_s",
+    "gib", "storage", "mode", "copiers", "shared_mib", "answer_s", "answer_min_s", "answer_max_s", "all_in_s",
     "all_in_ratio", "intact", "suspend_s", "sums_s", "served_mib", "requests", "fault_requests",
+    "staged_s", "running_s", "read_wait_s", "send_wait_s", "idle_wait_s",
 ]  # fmt: skip
 
 HOLDER = r"""
@@ -177,8 +187,9 @@ async def restore_eager(backend: LocalBackend, info, port: int) -> dict:
 
 
 async def restore_lazy(
-    backend: LocalBackend, folder: Path, m: Manifest, port: int, pool, copiers: int | None
-) -> dict:
+    backend: LocalBackend, folder: Path, m: Manifest, port: int, pool, copiers: int | None,
+    shared_mib: int = 0,
+) -> dict:  # fmt: skip
     if m.storage == "chunks":
         image = lazy.ChunksImage(backend.chunk_store(), m.key_id, m.chunks, m.sizes)
     else:
@@ -190,7 +201,10 @@ async def restore_lazy(
             image, staging, staging / "restore.pid", pool=pool, tcp=m.tcp_mode,
             shell_job=m.shell_job,
             extra=sandbox.restore_args(bool(m.extra.get("mount_namespace"))), copiers=copiers,
+            shared_bytes=shared_mib << 20,
         )  # fmt: skip
+        if shared_mib and not lr.stats["shared_bytes"]:
+            raise SystemExit(f"--shared {shared_mib}: {criu.find_criu()} lacks CRIU patch 0012")
         await answer(port)
         answered = time.monotonic() - t
         stats = await lr.done
@@ -198,11 +212,19 @@ async def restore_lazy(
         now = (await ask(port, "hash"))["now"]
         kill_tree(lr.pid)
         await asyncio.to_thread(lr.restored.criu.wait)
+        if LOGS is not None:  # the daemon's log of the last lazy restore of each kind
+            LOGS.mkdir(parents=True, exist_ok=True)
+            name = f"{m.storage}_{copiers if copiers is not None else 'default'}_{shared_mib}.log"
+            shutil.copyfile(staging / lazy.LAZY_LOG, LOGS / name)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {"answer_s": answered, "all_in_s": all_in, "now": now,
             "served_mib": round(stats["served_bytes"] / 2**20, 1),
-            "requests": stats["requests"], "fault_requests": stats["fault_requests"]}  # fmt: skip
+            "requests": stats["requests"], "fault_requests": stats["fault_requests"],
+            # where the time went: staging, the tree's restore, then the page server's
+            # waits while the memory came (read: reading and checking; send: the daemon had
+            # not taken the last answer; idle: nothing asked for)
+            **{k: stats[k] for k in PHASES}}  # fmt: skip
 
 
 async def run(sizes: list[float], restores: int, root: Path) -> list[dict]:
@@ -233,7 +255,7 @@ async def run(sizes: list[float], restores: int, root: Path) -> list[dict]:
                 )
                 sums_s = time.monotonic() - t
                 assert not problems, problems
-            modes = [("eager", None)] + [("lazy", c) for c in COPIERS]
+            modes = [("eager", None, 0)] + [("lazy", c, sh) for c in COPIERS for sh in SHARED]
             runs: dict[tuple, list[dict]] = {mode: [] for mode in modes}
             for _ in range(restores):
                 for mode in modes:  # in turns: a drifting machine slows all
@@ -245,15 +267,16 @@ async def run(sizes: list[float], restores: int, root: Path) -> list[dict]:
                     if mode[0] == "eager":
                         got = await restore_eager(backend, info, h.port)
                     else:
-                        got = await restore_lazy(backend, folder, m, h.port, pool, mode[1])
+                        got = await restore_lazy(backend, folder, m, h.port, pool, *mode[1:])
                     got["intact"] = got.pop("now") == before
                     runs[mode].append(got)
-            eager_all_in = statistics.median(r["all_in_s"] for r in runs[("eager", None)])
-            for (mode, copiers), got in runs.items():
+            eager_all_in = statistics.median(r["all_in_s"] for r in runs[("eager", None, 0)])
+            for (mode, copiers, shared), got in runs.items():
                 answers = [r["answer_s"] for r in got]
                 all_in = statistics.median(r["all_in_s"] for r in got)
                 rows.append({
                     "gib": gib, "storage": storage, "mode": mode, "copiers": copiers,
+                    "shared_mib": shared if mode == "lazy" else None,
                     "answer_s": round(statistics.median(answers), 3),
                     "answer_min_s": round(min(answers), 3),
                     "answer_max_s": round(max(answers), 3),
@@ -265,19 +288,24 @@ async def run(sizes: list[float], restores: int, root: Path) -> list[dict]:
                     "served_mib": got[-1].get("served_mib"),
                     "requests": got[-1].get("requests"),
                     "fault_requests": got[-1].get("fault_requests"),
+                    **{k: round(statistics.median(r[k] for r in got), 3) if mode == "lazy"
+                       else None for k in PHASES},
                 })  # fmt: skip
             shutil.rmtree(root / storage, ignore_errors=True)
     pool.shutdown()
     return rows
 
 
+PHASES = ("staged_s", "running_s", "read_wait_s", "send_wait_s", "idle_wait_s")
+LOGS: Path | None = None  # --logs: where the daemon's logs are kept
+SHARED: list = [0]  # --shared: MiB of memory the pages go through instead of the socket
 COPIERS: list = [None]  # --copiers: the lazy restores' copier threads (None: CRIU's default)
 WARM = False  # --warm: the image stays in the page cache (separates the disk from the rest)
 REPEATED = 0.0  # --repeated: the part of the data that is one byte over and over
 
 
 def main() -> None:
-    global WARM, REPEATED, COPIERS
+    global WARM, REPEATED, COPIERS, LOGS, SHARED
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, nargs="+", default=[0.2, 1, 2])
     ap.add_argument("--restores", type=int, default=1)
@@ -289,8 +317,14 @@ def main() -> None:
                     "zero-filled buffers of a GPU process: it is cut into the smallest chunks")  # fmt: skip
     ap.add_argument("--copiers", type=int, nargs="+", default=[None],
                     help="lazy restores with each number of copier threads (0: none)")  # fmt: skip
+    ap.add_argument("--logs", default="", help="keep the daemon's logs in this folder")
+    ap.add_argument("--shared", type=int, nargs="+", default=[0],
+                    help="lazy restores with the pages going through this many MiB of shared "
+                    "memory (0: the socket; CRIU patch 0012)")  # fmt: skip
     args = ap.parse_args()
+    SHARED = args.shared
     WARM, REPEATED, COPIERS = args.warm, args.repeated, args.copiers
+    LOGS = Path(args.logs) if args.logs else None
     root = Path(args.dir or tempfile.mkdtemp(prefix="gpusnap-bench-lazy-", dir="/var/tmp"))
     root.mkdir(parents=True, exist_ok=True)
     try:
@@ -300,7 +334,7 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
     table = print_table(rows, COLUMNS)
     write_json(args.name, rows, restores=args.restores, warm=WARM, repeated=REPEATED,
-               copiers=COPIERS, table=table)  # fmt: skip
+               copiers=COPIERS, shared=SHARED, table=table)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -151,26 +151,35 @@ def image_of(backend: LocalBackend, m: Manifest, folder: Path, pool):
     return lazy.FilesImage(folder, m.files, m.sizes, m.chunk_bytes)
 
 
-async def restore_lazily(image, staging: Path, m: Manifest, pool) -> lazy.LazyRestore:
-    return await lazy.restore(
+SHARED = 64 << 20  # LocalBackend.lazy_shared_mib's default, in bytes
+
+
+async def restore_lazily(image, staging: Path, m: Manifest, pool, shared: int = SHARED):
+    """``lazy.restore`` of ``image``, its pages through ``shared`` bytes of memory shared with
+    the daemon (CRIU patch 0012; 0: through the socket)."""
+    lr = await lazy.restore(
         image, staging, staging / "restore.pid", pool=pool, tcp=m.tcp_mode,
         shell_job=m.shell_job,
-        extra=sandbox.restore_args(bool(m.extra.get("mount_namespace"))),
+        extra=sandbox.restore_args(bool(m.extra.get("mount_namespace"))), shared_bytes=shared,
     )  # fmt: skip
+    assert lr.stats["shared_bytes"] == shared
+    return lr
 
 
 async def lazily_restored(
-    tmp_path, process_tree, staging: Path, pool, program: str = HOLDER, go: str = ""
-) -> tuple[lazy.LazyRestore, ProcessTree, dict]:
+    tmp_path, process_tree, staging: Path, pool, program: str = HOLDER, go: str = "",
+    shared: int = SHARED,
+) -> tuple[lazy.LazyRestore, ProcessTree, dict]:  # fmt: skip
     """The holder ``program`` checkpointed by LocalBackend (files) and restored lazily, its
     tree running: (the lazy restore, the tree, what it answered before). ``go``: a file
-    made next to the holder's log in between (CHURN_HOLDER waits for it)."""
+    made next to the holder's log in between (CHURN_HOLDER waits for it). ``shared``: as
+    :func:`restore_lazily` takes it."""
     backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "files",
                                                        program=program)  # fmt: skip
     image = image_of(backend, m, folder, pool)
     if go:
         (tree.root / go).touch()
-    lr = await restore_lazily(image, staging, m, pool)
+    lr = await restore_lazily(image, staging, m, pool, shared)
     tree.pid = lr.pid
     return lr, tree, before
 
@@ -303,13 +312,14 @@ digest = hashlib""",
 # ---------------------------------------------------------------------- restored intact
 
 
+@pytest.mark.parametrize("shared", [SHARED, 0], ids=["shared", "socket"])
 @pytest.mark.parametrize("storage", ["files", "chunks"])
 async def test_the_tree_answers_before_its_memory_is_back_and_the_memory_is_intact(
-    tmp_path, process_tree, staging, pool, storage
+    tmp_path, process_tree, staging, pool, storage, shared
 ):
     backend, tree, m, folder, before = await suspended(tmp_path, process_tree, storage)
     image = image_of(backend, m, folder, pool)
-    lr = await restore_lazily(image, staging, m, pool)
+    lr = await restore_lazily(image, staging, m, pool, shared)
     tree.pid = lr.pid  # teardown kills it
     assert lr.lazy_bytes >= 190 << 20, "the holder's memory is left to the page server"
     first = await ask(tree.port, "get")
@@ -321,9 +331,13 @@ async def test_the_tree_answers_before_its_memory_is_back_and_the_memory_is_inta
     stats = await lr.done
     assert stats["served_bytes"] == lr.lazy_bytes and lr.daemon.returncode == 0
     assert stats["fault_requests"] > 0 and stats["requests"] > stats["fault_requests"]
+    log = (staging / lazy.LAZY_LOG).read_text()
+    # the pages went through the memory shared with the daemon (CRIU patch 0012), or not
+    assert (f"answers in shared memory of {shared} bytes" in log) == bool(shared)
+    if shared:
+        assert lr.server.ring.used == 0, "the daemon gave back every answer's memory"
     # every request the daemon made for a fault, and for the pages around one (our CRIU
     # patches 0004, 0005), came flagged urgent: the page server answered it first
-    log = (staging / lazy.LAZY_LOG).read_text()
     asked = len(re.findall(r"#PF at 0x[0-9a-f]+: asking for", log))
     around = len(re.findall(r"fault-around: \d+ pages", log))
     assert asked > 0 and around > 0, "the daemon asked for no pages around its faults"
@@ -405,7 +419,7 @@ async def test_memory_a_process_gives_back_while_it_arrives_reads_zero_filled(
     assert (await ask(tree.port, "hash"))["now"] == before["digest"]
 
 
-@pytest.mark.parametrize("copiers", ["0", "4", "1"])
+@pytest.mark.parametrize("copiers", ["0", "4", "1", "shared"])
 async def test_pages_refused_while_the_process_unmaps_are_copied_again_not_sent_again(
     tmp_path, process_tree, staging, pool, monkeypatch, copiers
 ):
@@ -421,8 +435,14 @@ async def test_pages_refused_while_the_process_unmaps_are_copied_again_not_sent_
     daemon reads the events. One copier (two buffers handed over) fills up soonest: with the
     first version of 0011, whose daemon did not read events while it waited for a copier to
     free a buffer, its copies were refused until it gave up (250 ms each, 22-24 gave up in 2
-    of 3 runs, and so did 4 copiers once on a loaded CI machine); now it reads them."""
-    monkeypatch.setenv("CRIU_LAZY_COPIERS", copiers)
+    of 3 runs, and so did 4 copiers once on a loaded CI machine); now it reads them. With
+    the pages in memory shared with the page server (patch 0012, ``shared``) the daemon has
+    no copiers and copies again from there."""
+    shared = SHARED if copiers == "shared" else 0
+    if shared:
+        copiers = "0"
+    else:
+        monkeypatch.setenv("CRIU_LAZY_COPIERS", copiers)
     # Whether a copy meets an unmap under way is a matter of timing: on a loaded 2-core
     # machine all 4,096 unmaps once came and went between two copies. Up to three tries
     # of the whole scenario; what is checked is what happened to the refused copies.
@@ -431,7 +451,8 @@ async def test_pages_refused_while_the_process_unmaps_are_copied_again_not_sent_
         where.mkdir()
         # the holder's thread unmaps as soon as it runs again
         lr, tree, before = await lazily_restored(tmp_path / f"try{attempt}", process_tree,
-                                                 where, pool, CHURN_HOLDER, go="churn.go")  # fmt: skip
+                                                 where, pool, CHURN_HOLDER, go="churn.go",
+                                                 shared=shared)  # fmt: skip
         got = await ask(tree.port, "churn")
         assert got["pieces"] == 8, "the pieces did not hold their bytes"
         await asyncio.wait_for(lr.done, 120)
@@ -486,8 +507,9 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
     a suspension in lazy mode writes them and the next restore is lazy; a lazy restore whose
     server is gone before its last page (the Hub stopped) is failed by recover()."""
     backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "files")
+    # copiers only where the pages come through the socket (lazy_shared_mib = 0)
     lazyb = LocalBackend(checkpoint_dir=backend.checkpoint_dir, min_free_bytes=0,
-                         restore_mode="lazy", lazy_copiers=2)  # fmt: skip
+                         restore_mode="lazy", lazy_copiers=2, lazy_shared_mib=0)  # fmt: skip
     pid = (await lazyb.restore(await lazyb.get(lazyb._id(folder)))).pid
     tree.pid = pid
     m = Manifest.load(folder)
@@ -565,6 +587,10 @@ async def test_auto_restores_lazily_from_lazy_restore_min_bytes_of_image(tmp_pat
         await task
     m = Manifest.load(folder)
     assert m.status == "restored" and "lazy_pending" not in m.extra and not autob.lazy_restores
+    # by default the pages went through 64 MiB of memory shared with the daemon (patch 0012)
+    assert m.extra["restore_phases"]["lazy_shared_bytes"] == 64 << 20
+    log = (folder / lazy.LAZY_LOG).read_text()
+    assert f"answers in shared memory of {64 << 20} bytes" in log and "0 copiers" in log
 
 
 async def test_a_criu_without_the_lazy_patches_restores_eagerly_naming_them(
@@ -623,13 +649,13 @@ def test_the_lazy_patches_are_the_ones_install_criu_builds_and_checks():
     ci = Path(__file__).resolve().parent.parent / ".ci"
     script = (ci / "install-criu.sh").read_text()
     names = {p.name.removesuffix(".patch") for p in (ci / "criu-patches").glob("*.patch")}
-    for name, marker in {**criu.LAZY_PATCHES, **criu.COPIER_PATCHES}.items():
+    for name, marker in {**criu.LAZY_PATCHES, **criu.COPIER_PATCHES, **criu.SHARED_PATCHES}.items():
         assert name in names, f"{name}.patch is not in .ci/criu-patches"
         assert f"'{marker}'" in script, f"install-criu.sh does not check for {name}'s marker"
     lazy_names = {n for n in names if "lazy" in n}
-    assert lazy_names == set(criu.LAZY_PATCHES) | set(criu.COPIER_PATCHES), (
-        "a lazy-pages patch is in neither LAZY_PATCHES nor COPIER_PATCHES"
-    )
+    assert lazy_names == set(criu.LAZY_PATCHES) | set(criu.COPIER_PATCHES) | set(
+        criu.SHARED_PATCHES
+    ), "a lazy-pages patch is in none of LAZY_PATCHES, COPIER_PATCHES and SHARED_PATCHES"
 
 
 class StandInDriver:
@@ -860,9 +886,10 @@ async def test_page_sums_that_do_not_match_the_manifest_are_not_written_and_coun
 # ---------------------------------------------------------------------- damage
 
 
+@pytest.mark.parametrize("shared", [SHARED, 0], ids=["shared", "socket"])
 @pytest.mark.parametrize("storage", ["files", "chunks"])
 async def test_a_damaged_lazy_page_kills_the_tree_and_names_it(
-    tmp_path, process_tree, staging, pool, storage
+    tmp_path, process_tree, staging, pool, storage, shared
 ):
     backend, tree, m, folder, before = await suspended(tmp_path, process_tree, storage)
     image = image_of(backend, m, folder, pool)
@@ -870,7 +897,7 @@ async def test_a_damaged_lazy_page_kills_the_tree_and_names_it(
     error = None
     pids: list[int] = []
     try:
-        lr = await restore_lazily(image, staging, m, pool)
+        lr = await restore_lazily(image, staging, m, pool, shared)
         tree.pid = lr.pid
         pids = tree_pids(lr.pid)
         # the holder hashes its memory: it reaches the damaged page and must never answer

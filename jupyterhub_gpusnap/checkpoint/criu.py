@@ -474,6 +474,8 @@ LAZY_PATCHES = {
 
 # Copier threads (LocalBackend.lazy_copiers): a speed-up, not needed for a lazy restore
 COPIER_PATCHES = {"0011-lazy-pages-copiers": "copier: %d events read while waiting for a buffer"}
+# Answers in shared memory (LocalBackend.lazy_shared_mib): a speed-up, not needed either
+SHARED_PATCHES = {"0012-lazy-pages-shared-answers": "lazy-pages: answers in shared memory of %lu bytes"}  # fmt: skip
 
 _lazy_missing: dict[tuple, set[str]] = {}
 
@@ -481,7 +483,7 @@ _lazy_missing: dict[tuple, set[str]] = {}
 def lazy_patches_missing(criu: str = "", patches: dict[str, str] | None = None) -> list[str]:
     """The patches of ``patches`` (default :data:`LAZY_PATCHES`) the criu binary lacks (all
     of them when it cannot be found or read). The binary is read once per path, size and
-    change time, for every patch of LAZY_PATCHES and COPIER_PATCHES."""
+    change time, for every patch of LAZY_PATCHES, COPIER_PATCHES and SHARED_PATCHES."""
     patches = LAZY_PATCHES if patches is None else patches
     binary = find_criu(criu)
     if not binary:
@@ -493,7 +495,7 @@ def lazy_patches_missing(criu: str = "", patches: dict[str, str] | None = None) 
         if key not in _lazy_missing:
             with open(real, "rb") as f:
                 data = f.read()
-            known = {**LAZY_PATCHES, **COPIER_PATCHES}
+            known = {**LAZY_PATCHES, **COPIER_PATCHES, **SHARED_PATCHES}
             _lazy_missing[key] = {n for n, m in known.items() if m.encode() not in data}
         return [n for n in patches if n in _lazy_missing[key]]
     except OSError:
@@ -520,6 +522,7 @@ async def start_lazy_pages(
     log_name: str = "lazy-pages.log",
     timeout: float = 60,
     copiers: int | None = None,
+    shared_fd: int | None = None,
 ) -> subprocess.Popen:
     """Start ``criu lazy-pages`` for the image in ``directory``; return once it listens.
 
@@ -530,7 +533,9 @@ async def start_lazy_pages(
     detached (the caller reaps it: its exit status says whether every page arrived) and
     logs to ``<directory>/<log_name>``. ``copiers``: how many threads copy the pages it
     receives into the processes (``CRIU_LAZY_COPIERS``, patch 0011; None: CRIU's default,
-    4). Raises :class:`CheckpointError` with the log tail if it does not get ready.
+    4). ``shared_fd``: a memfd the page server puts its answers' pages in
+    (``CRIU_LAZY_SHM_FD``, patch 0012; the daemon then has no copiers). Raises
+    :class:`CheckpointError` with the log tail if it does not get ready.
     """
     binary = find_criu(criu)
     if not binary:
@@ -544,6 +549,8 @@ async def start_lazy_pages(
     env = None
     if copiers is not None:
         env = {**os.environ, "CRIU_LAZY_COPIERS": str(copiers)}
+    if shared_fd is not None:
+        env = {**(env or os.environ), "CRIU_LAZY_SHM_FD": str(shared_fd)}
     try:
         proc = subprocess.Popen(
             args,
@@ -552,7 +559,7 @@ async def start_lazy_pages(
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
-            pass_fds=(ps_socket, ready_w),
+            pass_fds=(ps_socket, ready_w) + (() if shared_fd is None else (shared_fd,)),
         )
     finally:
         os.close(ready_w)

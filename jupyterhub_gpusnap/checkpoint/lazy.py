@@ -49,7 +49,7 @@ from . import criu, uffd_guard
 from .base import CheckpointError
 from .chunks import ChunkStore
 from .manifest import is_pages_file, verify_image
-from .page_server import BACKGROUND, PageServer
+from .page_server import BACKGROUND, AnswerRing, PageServer
 from .page_source import ChunkPages, PageDamaged, RawPages
 from .page_sums import SumsError, load_sums
 from .pagemap import PagemapError, eager_ranges, lazy_bytes, read_pagemaps
@@ -291,12 +291,16 @@ async def restore(
     timeout: float = 600,
     poll: float = 0.05,
     copiers: int | None = None,
+    shared_bytes: int = 0,
 ) -> LazyRestore:
     """Restore ``image`` lazily, CRIU working in ``staging`` (a new, empty, root-only
     folder the caller removes afterwards; its logs are CRIU's). Returns once the tree
     runs, with :attr:`LazyRestore.done` to await for the rest. ``pidfile``, ``tcp``,
     ``shell_job``, ``extra``, ``timeout``: as :func:`.criu.restore` takes them.
     ``copiers``: the daemon's copier threads (:func:`.criu.start_lazy_pages`).
+    ``shared_bytes``: memory shared with the daemon that the pages go through instead of
+    the socket (:class:`.page_server.AnswerRing`; 0: none, nor with a CRIU without patch
+    0012).
 
     Raises :class:`CheckpointError` (nothing left running) when the image is damaged, has
     no page sums (files: restore eagerly then), or CRIU fails.
@@ -307,7 +311,10 @@ async def restore(
     pagemaps, sources = await asyncio.to_thread(stage, image, staging, pool, steps)
     staged_s = time.monotonic() - t0
     failed = asyncio.Event()
-    server = PageServer(pagemaps, sources, pool, on_failure=lambda e: failed.set())
+    ring = None
+    if shared_bytes and not criu.lazy_patches_missing(criu_path, criu.SHARED_PATCHES):
+        ring = AnswerRing(shared_bytes)
+    server = PageServer(pagemaps, sources, pool, on_failure=lambda e: failed.set(), ring=ring)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with contextlib.suppress(OSError):
         ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BYTES)
@@ -334,8 +341,9 @@ async def restore(
     try:
         try:
             daemon = await criu.start_lazy_pages(
-                staging, theirs.fileno(), criu=criu_path, log_name=LAZY_LOG, copiers=copiers
-            )
+                staging, theirs.fileno(), criu=criu_path, log_name=LAZY_LOG, copiers=copiers,
+                shared_fd=None if ring is None else ring.fd,
+            )  # fmt: skip
         finally:
             theirs.close()
         guard = uffd_guard.start(daemon.pid, str(staging))
@@ -377,7 +385,8 @@ async def restore(
     eager = sum(n for ranges in eager_ranges(pagemaps).values() for _, n in ranges)
     lazy.stats = {"staged_s": round(staged_s, 3), "staging": steps,
                   "running_s": round(lazy.running_at - t0, 3),
-                  "lazy_bytes": lazy.lazy_bytes, "eager_bytes": eager}  # fmt: skip
+                  "lazy_bytes": lazy.lazy_bytes, "eager_bytes": eager,
+                  "shared_bytes": 0 if ring is None else ring.size}  # fmt: skip
     lazy.done = asyncio.ensure_future(_watch(lazy, failed, stop_all, poll))
     return lazy
 

@@ -134,6 +134,7 @@ class LazyRestoreMixin:
                     extra=[*sandbox.restore_args(bool(m.extra.get("mount_namespace"))),
                            *self.restore_extra_args],
                     timeout=timeout, copiers=self.lazy_copiers,
+                    shared_bytes=self.lazy_shared_mib << 20,
                 )  # fmt: skip
         except CheckpointError as e:
             # nothing runs: the eager restore checks the whole image and decides, as always
@@ -151,7 +152,8 @@ class LazyRestoreMixin:
         phases["criu_s"] = round(time.monotonic() - t, 3)
         phases.update(lazy_staged_s=lr.stats["staged_s"], lazy_staging=lr.stats["staging"],
                       lazy_running_s=lr.stats["running_s"],
-                      lazy_bytes=lr.lazy_bytes, lazy_eager_bytes=lr.stats["eager_bytes"])  # fmt: skip
+                      lazy_bytes=lr.lazy_bytes, lazy_eager_bytes=lr.stats["eager_bytes"],
+                      lazy_shared_bytes=lr.stats["shared_bytes"])  # fmt: skip
         self.restored[restored.pid] = restored
         for p, r in list(self.restored.items()):
             if r.reap() is not None:

@@ -36,6 +36,17 @@ on in its pages file where the last answer or request of its kind ended (the bac
 transfer, or faults of a reader going through memory in order) starts checking the next
 ``ahead`` bytes in the pool; a lone fault does not, nor do the pages around a fault.
 
+Shared memory (CRIU patch 0012): through the socket each page is copied twice more, by
+this server into the socket and by the daemon out of it, before the daemon copies it into
+the process. Given an :class:`AnswerRing`, a memfd the daemon maps read-only
+(``CRIU_LAZY_SHM_FD``), the server puts an answer's pages there and sends only the header,
+flagged ``PE_SHM``, and a ``u64``: where in that memory the pages are. Once it has copied
+them into the process the daemon gives them back (``PS_IOV_PUT``, the offset as ``vaddr``).
+An answer waits for room in the ring (``send`` wait), so the ring bounds what is in flight;
+the background transfer may fill half of it at most: the daemon takes answers in the order
+they come, and a fault's answer then waits behind no more than that (about 10 ms at 32 MiB),
+with room left for it.
+
 On a failed check the server answers nothing more: the faulting thread stays blocked in
 the kernel, never running on with memory that is not its own, until :mod:`.lazy` has
 killed the tree (:attr:`PageServer.failure` says what failed).
@@ -44,6 +55,8 @@ killed the tree (:attr:`PageServer.failure` says what failed).
 from __future__ import annotations
 
 import asyncio
+import mmap
+import os
 import struct
 import time
 from collections import deque
@@ -58,8 +71,13 @@ PS_IOV_ADD_F = 6
 PS_IOV_GET = 7
 PS_IOV_CLOSE = 0x1023
 PS_IOV_FORCE_CLOSE = 0x1024
+PS_IOV_PUT = 0x1030  # the daemon copied an answer out of the shared memory (CRIU patch 0012)
 PS_CMD_BITS = 16
 PE_PRESENT = 1 << 2
+PE_SHM = 1 << 8  # an answer whose pages are in the shared memory (CRIU patch 0012)
+SHM_OFFSET = struct.Struct("<Q")
+LARGEST_ANSWER = 8 << 20  # the daemon asks for at most this much at a time (a fault's)
+SHARED_MIN = 2 * LARGEST_ANSWER  # the background transfer fills half of the ring at most
 PS_GET_URGENT = 0x1  # flag of a request a page fault waits for (CRIU patch 0004)
 PS_GET_AROUND = 0x2  # flag of a request for the pages around a fault (CRIU patch 0005)
 AHEAD = 48 << 20  # bytes checked ahead of a background transfer (3 of its largest requests)
@@ -68,6 +86,95 @@ FAULT_THREADS = 2  # threads reading what faults ask for; as many for the pages 
 #: kinds of request, in the order they are answered
 FAULT, AROUND, BACKGROUND = 0, 1, 2
 CLOSE = object()  # the daemon is done: answer its status (after every answer before it)
+
+
+class AnswerRing:
+    """Memory shared with the daemon (a memfd of ``size`` bytes) that answers' pages go
+    into, handed out in order as a ring: the daemon gives each answer back once it has
+    copied it, in the order they came."""
+
+    def __init__(self, size: int):
+        if size < SHARED_MIN:
+            raise ValueError(f"shared memory for answers: {size} bytes, less than twice the "
+                             f"largest answer ({SHARED_MIN >> 20} MiB)")  # fmt: skip
+        self.size = size
+        self.fd = os.memfd_create("gpusnap-lazy-answers", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, size)
+            self.mem = mmap.mmap(self.fd, size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.view = memoryview(self.mem)
+        self.live: deque[tuple[int, int]] = deque()  # (offset, bytes) out, oldest first
+        self.used = 0  # bytes out
+        self.background = 0  # of them, for the background transfer
+        self._background: set[int] = set()  # where those are
+        self.head = 0  # where the newest ends
+        self.closed = False
+        self.given = asyncio.Event()
+
+    def _fit(self, n: int) -> int | None:
+        if not self.live:
+            return 0
+        tail = self.live[0][0]
+        if self.head > tail:  # in use: [tail, head)
+            if n <= self.size - self.head:
+                return self.head
+            return 0 if n <= tail else None
+        return self.head if n <= tail - self.head else None  # in use: [tail, end), [0, head)
+
+    def room(self, n: int, background: bool = False) -> bool:
+        """Whether ``n`` bytes fit now; for the background transfer, within half the ring."""
+        if background and self.background + n > self.size // 2:
+            return False
+        return self._fit(n) is not None
+
+    def take(self, n: int, background: bool = False) -> int | None:
+        """Where ``n`` bytes go (None: no room now, or closed)."""
+        off = None if self.closed or not self.room(n, background) else self._fit(n)
+        if off is not None:
+            self.live.append((off, n))
+            self.used += n
+            self.head = off + n
+            if background:
+                self._background.add(off)
+                self.background += n
+        return off
+
+    async def wait_given(self) -> None:
+        """Until the daemon gives some back (or the ring is closed)."""
+        if not self.closed:
+            self.given.clear()
+            await self.given.wait()
+
+    def put(self, data: list, off: int) -> None:
+        for v in data:
+            self.view[off : off + len(v)] = v
+            off += len(v)
+
+    def give(self, off: int, n: int) -> None:
+        """The daemon copied the ``n`` bytes at ``off``: room for others."""
+        try:
+            self.live.remove((off, n))
+        except ValueError:
+            raise ValueError(f"lazy-pages gave back {n} bytes at {off} of the shared memory, "
+                             "which it was not given") from None  # fmt: skip
+        self.used -= n
+        if off in self._background:
+            self._background.discard(off)
+            self.background -= n
+        self.given.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.given.set()
+
+    def release(self) -> None:
+        self.close()
+        self.view.release()
+        self.mem.close()
+        os.close(self.fd)
 
 
 def _kind(flags: int) -> int:
@@ -93,12 +200,14 @@ class PageServer:
         *,
         on_failure: Callable[[Exception], None] | None = None,
         ahead: int = AHEAD,
+        ring: AnswerRing | None = None,
     ):
         self.maps = {pm.pid: pm for pm in pagemaps if pm.pid is not None}
         self.sources = sources
         self.pool = pool
         self.on_failure = on_failure
         self.ahead = ahead
+        self.ring = ring  # answers' pages in memory shared with the daemon (None: the socket)
         self.failure: Exception | None = None
         self.closed = asyncio.Event()  # the daemon said it is done
         self.requests = 0
@@ -122,6 +231,7 @@ class PageServer:
         # answers to send, by kind (the daemon's status after the background ones)
         self._queues: list[deque] = [deque(), deque(), deque()]
         self._wake = asyncio.Event()
+        self._full = False  # a read answer waits for room in the shared memory
         # (pages file, kind) -> the offset after its last answer, and after its last request
         self._next: dict[tuple[str, int], int] = {}
         self._asked: dict[tuple[str, int], int] = {}
@@ -169,6 +279,11 @@ class PageServer:
                         elif kind == BACKGROUND:
                             self.from_memory += 1
                     self._queue((vaddr, dst, fut, kind), kind)
+                elif cmd == PS_IOV_PUT and self.ring is not None:
+                    try:
+                        self.ring.give(vaddr, nr * PAGE)
+                    except ValueError as e:
+                        self._fail(e)
                 elif cmd in (PS_IOV_CLOSE, PS_IOV_FORCE_CLOSE):
                     self._queue(CLOSE)
                 else:
@@ -177,6 +292,8 @@ class PageServer:
                     )
         finally:
             self._queue(StopAsyncIteration)
+            if self.ring is not None:
+                self.ring.close()  # a sender waiting for room goes
             await sender
 
     def _queue(self, item, kind: int = BACKGROUND) -> None:
@@ -239,41 +356,64 @@ class PageServer:
         self.read_s += time.perf_counter() - t
         return sum(n for _, n in ranges) // PAGE, parts, source.name, end
 
+    def _fits(self, item, kind: int) -> bool:
+        """Whether a read answer has room in the shared memory now (always without it, and
+        for one that goes by the socket). The background transfer fills half of it at most."""
+        ring, fut = self.ring, item[2]
+        if ring is None or ring.closed or fut.cancelled() or fut.exception() is not None:
+            return True
+        n = fut.result()[0] * PAGE
+        return n > ring.size // 2 or ring.room(n, kind == BACKGROUND)
+
     def _pick(self):
-        """The next answer to send, or None: the first that is read, faults' first, then the
-        pages around them, then the rest in request order (so that the daemon's status goes
-        last, and a daemon without our patches gets its answers in order)."""
-        for q in self._queues[:BACKGROUND]:
+        """The next answer to send, or None: the first that is read (and has room in the
+        shared memory), faults' first, then the pages around them, then the rest in request
+        order (so that the daemon's status goes last, and a daemon without our patches gets
+        its answers in order)."""
+        self._full = False
+        for kind, q in enumerate(self._queues[:BACKGROUND]):
             for i, item in enumerate(q):
                 if item[2].done():
+                    if not self._fits(item, kind):
+                        self._full = True
+                        continue
                     del q[i]
                     return item
         q = self._queues[BACKGROUND]
         if q and (not isinstance(q[0], tuple) or q[0][2].done()):
+            if isinstance(q[0], tuple) and not self._fits(q[0], BACKGROUND):
+                self._full = True
+                return None
             return q.popleft()
         return None
 
     async def _waiting(self) -> None:
-        """Until a request comes or an answer waiting to go is read."""
+        """Until a request comes, an answer waiting to go is read, or the daemon gives back
+        shared memory an answer waits for."""
         self._wake.clear()
-        futs = [item[2] for q in self._queues[:BACKGROUND] for item in q]
+        futs = [item[2] for q in self._queues[:BACKGROUND] for item in q if not item[2].done()]
         q = self._queues[BACKGROUND]
-        if q and isinstance(q[0], tuple):
+        if q and isinstance(q[0], tuple) and not q[0][2].done():
             futs.append(q[0][2])
-        wake = asyncio.ensure_future(self._wake.wait())
+        wakes = [asyncio.ensure_future(self._wake.wait())]
+        if self._full:
+            wakes.append(asyncio.ensure_future(self.ring.wait_given()))
         try:
-            await asyncio.wait([wake, *futs], return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([*wakes, *futs], return_when=asyncio.FIRST_COMPLETED)
         finally:
-            wake.cancel()
+            for w in wakes:
+                w.cancel()
 
     async def _send(self, writer: asyncio.StreamWriter) -> None:
         while True:
             item = self._pick()
             if item is None:
                 t = time.monotonic()
-                asked = any(self._queues)
+                # the daemon has not given back room for what is read (it copies), or
+                # what is asked for is still being read, or nothing is asked for
+                why = "send" if self._full else "read" if any(self._queues) else "idle"
                 await self._waiting()
-                self.waited["read" if asked else "idle"] += time.monotonic() - t
+                self.waited[why] += time.monotonic() - t
                 continue
             if item is StopAsyncIteration:
                 return
@@ -291,9 +431,19 @@ class PageServer:
                 self._fail(e)
                 continue
             self._next[name, kind] = end
-            writer.write(IOV.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, nr, vaddr, dst))
-            writer.writelines(data)
             t = time.monotonic()
+            if self.ring is not None and nr * PAGE <= self.ring.size // 2:
+                # _pick saw room for it (a larger answer, which the daemon does not ask
+                # for, goes by the socket)
+                off = self.ring.take(nr * PAGE, kind == BACKGROUND)
+                if off is None:
+                    return  # closed: the daemon is gone
+                self.ring.put(data, off)
+                flags = (PE_PRESENT | PE_SHM) << PS_CMD_BITS
+                writer.write(IOV.pack(PS_IOV_ADD_F | flags, nr, vaddr, dst) + SHM_OFFSET.pack(off))
+            else:
+                writer.write(IOV.pack(PS_IOV_ADD_F | PE_PRESENT << PS_CMD_BITS, nr, vaddr, dst))
+                writer.writelines(data)
             try:
                 await writer.drain()
             except ConnectionError:
@@ -312,5 +462,7 @@ class PageServer:
         """Drop the connection (only once the tree it served is gone)."""
         if self._writer is not None:
             self._writer.close()
+        if self.ring is not None:
+            self.ring.release()
         for pool in self._pools[:BACKGROUND]:
             pool.shutdown(wait=False)
