@@ -483,6 +483,31 @@ async def test_pages_refused_while_the_process_unmaps_are_copied_again_not_sent_
     assert (await ask(tree.port, "hash"))["now"] == before["digest"]
 
 
+async def test_without_shared_memory_the_pages_come_through_the_socket(
+    tmp_path, process_tree, staging, pool, monkeypatch
+):
+    """Where no memfd can be made (a seccomp profile that refuses memfd_create, no memory),
+    a lazy restore asked to use shared memory sends the pages through the socket."""
+
+    def refused(*args):
+        raise PermissionError(1, "Operation not permitted")
+
+    backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "files")
+    image = image_of(backend, m, folder, pool)
+    monkeypatch.setattr(os, "memfd_create", refused)
+    lr = await lazy.restore(
+        image, staging, staging / "restore.pid", pool=pool, tcp=m.tcp_mode,
+        shell_job=m.shell_job,
+        extra=sandbox.restore_args(bool(m.extra.get("mount_namespace"))), shared_bytes=SHARED,
+    )  # fmt: skip
+    tree.pid = lr.pid
+    stats = await asyncio.wait_for(lr.done, 120)
+    assert lr.server.ring is None and stats["shared_bytes"] == 0
+    assert stats["served_bytes"] >= lr.lazy_bytes
+    assert "answers in shared memory" not in (staging / lazy.LAZY_LOG).read_text()
+    assert (await ask(tree.port, "hash"))["now"] == before["digest"]
+
+
 async def test_a_process_that_forks_while_its_memory_arrives_gets_its_pages(
     tmp_path, process_tree, staging, pool
 ):

@@ -154,6 +154,12 @@ class LazyRestoreMixin:
                       lazy_running_s=lr.stats["running_s"],
                       lazy_bytes=lr.lazy_bytes, lazy_eager_bytes=lr.stats["eager_bytes"],
                       lazy_shared_bytes=lr.stats["shared_bytes"])  # fmt: skip
+        if self.lazy_shared_mib and not lr.stats["shared_bytes"]:
+            self.log.warning(
+                "%s: the pages of checkpoint %s come through the socket, not %d MiB of shared "
+                "memory (LocalBackend.lazy_shared_mib): CRIU lacks patch 0012, or no memfd "
+                "could be made here", key, info.id, self.lazy_shared_mib,
+            )  # fmt: skip
         self.restored[restored.pid] = restored
         for p, r in list(self.restored.items()):
             if r.reap() is not None:
