@@ -546,20 +546,17 @@ async def start_lazy_pages(
         binary, "lazy-pages", "-D", str(directory), "-o", log_name, "-v4",
         "--page-server", "--ps-socket", str(ps_socket), "--status-fd", str(ready_w),
     ]  # fmt: skip
-    env = None
-    if copiers is not None:
-        env = {**os.environ, "CRIU_LAZY_COPIERS": str(copiers)}
-    if shared_fd is not None:
-        env = {**(env or os.environ), "CRIU_LAZY_SHM_FD": str(shared_fd)}
+    ours = {"CRIU_LAZY_COPIERS": copiers, "CRIU_LAZY_SHM_FD": shared_fd}
+    ours = {k: str(v) for k, v in ours.items() if v is not None}
     try:
         proc = subprocess.Popen(
             args,
-            env=env,
+            env={**os.environ, **ours} if ours else None,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
-            pass_fds=(ps_socket, ready_w) + (() if shared_fd is None else (shared_fd,)),
+            pass_fds=[fd for fd in (ps_socket, ready_w, shared_fd) if fd is not None],
         )
     finally:
         os.close(ready_w)

@@ -313,10 +313,8 @@ async def restore(
     failed = asyncio.Event()
     ring = None
     if shared_bytes and not criu.lazy_patches_missing(criu_path, criu.SHARED_PATCHES):
-        try:
+        with contextlib.suppress(OSError):  # no memfd here (seccomp, no memory): the socket
             ring = AnswerRing(shared_bytes)
-        except OSError:  # no memfd here (a seccomp profile, no memory): the socket then
-            ring = None
     server = PageServer(pagemaps, sources, pool, on_failure=lambda e: failed.set(), ring=ring)
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     with contextlib.suppress(OSError):

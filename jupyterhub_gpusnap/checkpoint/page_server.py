@@ -106,15 +106,30 @@ class AnswerRing:
             os.close(self.fd)
             raise
         self.view = memoryview(self.mem)
-        self.live: deque[tuple[int, int]] = deque()  # (offset, bytes) out, oldest first
-        self.used = 0  # bytes out
-        self.background = 0  # of them, for the background transfer
-        self._background: set[int] = set()  # where those are
+        # (offset, bytes, for the background transfer) out, oldest first
+        self.live: deque[tuple[int, int, bool]] = deque()
         self.head = 0  # where the newest ends
         self.closed = False
         self.given = asyncio.Event()
 
-    def _fit(self, n: int) -> int | None:
+    @property
+    def used(self) -> int:
+        """Bytes out."""
+        return sum(n for _, n, _ in self.live)
+
+    @property
+    def background(self) -> int:
+        """Bytes out for the background transfer."""
+        return sum(n for _, n, bg in self.live if bg)
+
+    def carries(self, n: int) -> bool:
+        """Whether an answer of ``n`` bytes goes through the ring (a larger one, which the
+        daemon does not ask for, goes by the socket)."""
+        return n <= self.size // 2
+
+    def _where(self, n: int, background: bool) -> int | None:
+        if background and self.background + n > self.size // 2:
+            return None
         if not self.live:
             return 0
         tail = self.live[0][0]
@@ -126,20 +141,14 @@ class AnswerRing:
 
     def room(self, n: int, background: bool = False) -> bool:
         """Whether ``n`` bytes fit now; for the background transfer, within half the ring."""
-        if background and self.background + n > self.size // 2:
-            return False
-        return self._fit(n) is not None
+        return self._where(n, background) is not None
 
     def take(self, n: int, background: bool = False) -> int | None:
         """Where ``n`` bytes go (None: no room now, or closed)."""
-        off = None if self.closed or not self.room(n, background) else self._fit(n)
+        off = None if self.closed else self._where(n, background)
         if off is not None:
-            self.live.append((off, n))
-            self.used += n
+            self.live.append((off, n, background))
             self.head = off + n
-            if background:
-                self._background.add(off)
-                self.background += n
         return off
 
     async def wait_given(self) -> None:
@@ -155,16 +164,13 @@ class AnswerRing:
 
     def give(self, off: int, n: int) -> None:
         """The daemon copied the ``n`` bytes at ``off``: room for others."""
-        try:
-            self.live.remove((off, n))
-        except ValueError:
-            raise ValueError(f"lazy-pages gave back {n} bytes at {off} of the shared memory, "
-                             "which it was not given") from None  # fmt: skip
-        self.used -= n
-        if off in self._background:
-            self._background.discard(off)
-            self.background -= n
-        self.given.set()
+        for out in self.live:
+            if out[:2] == (off, n):
+                self.live.remove(out)
+                self.given.set()
+                return
+        raise ValueError(f"lazy-pages gave back {n} bytes at {off} of the shared memory, "
+                         "which it was not given")  # fmt: skip
 
     def close(self) -> None:
         self.closed = True
@@ -363,7 +369,7 @@ class PageServer:
         if ring is None or ring.closed or fut.cancelled() or fut.exception() is not None:
             return True
         n = fut.result()[0] * PAGE
-        return n > ring.size // 2 or ring.room(n, kind == BACKGROUND)
+        return not ring.carries(n) or ring.room(n, kind == BACKGROUND)
 
     def _pick(self):
         """The next answer to send, or None: the first that is read (and has room in the
@@ -432,9 +438,8 @@ class PageServer:
                 continue
             self._next[name, kind] = end
             t = time.monotonic()
-            if self.ring is not None and nr * PAGE <= self.ring.size // 2:
-                # _pick saw room for it (a larger answer, which the daemon does not ask
-                # for, goes by the socket)
+            if self.ring is not None and self.ring.carries(nr * PAGE):
+                # _pick saw room for it
                 off = self.ring.take(nr * PAGE, kind == BACKGROUND)
                 if off is None:
                     return  # closed: the daemon is gone
