@@ -117,3 +117,41 @@ async def test_users_servers_run_as_themselves_and_come_back_as_themselves(
     # SIGTERM on; nothing outlives what the Hub tracks)
     await hub.stop_server(bob.pw_name)
     assert not processes_of(bob.pw_uid)
+
+
+async def test_a_users_large_server_restores_lazily_through_the_hub_as_themselves(
+    hub_factory, tmp_path, system_users, traversable
+):
+    """The path of a large notebook (``restore_mode = "auto"`` restores an image of 1 GiB or
+    more lazily; here "lazy" for any size): the recommended spawner, a real user, the Hub's
+    restore with the tree first and its memory through the memory shared with CRIU's
+    lazy-pages daemon (``LocalBackend.lazy_shared_mib``'s default). The kernel comes back
+    as her, its variables and its data intact."""
+    alice = system_users()
+    ckpt = tmp_path / "ckpt"
+    config = users_config(ckpt) + 'c.LocalBackend.restore_mode = "lazy"\n'
+    hub = await hub_factory(config, env={"PATH": PLAIN_PATH})
+    backend = LocalBackend(checkpoint_dir=str(ckpt), min_free_bytes=0, restore_mode="lazy")
+
+    await hub.start_server(alice.pw_name)
+    hold = ("import hashlib, os\ndata = os.urandom(128 << 20)\n"
+            "h = hashlib.sha256(data).hexdigest()\nx = 42\nprint(os.getuid())")  # fmt: skip
+    kid, out = await hub.execute(alice.pw_name, hold)
+    assert out.split() == [str(alice.pw_uid)]
+    model = await hub.get_server(alice.pw_name)
+    info = await backend.checkpoint(Server(user=alice.pw_name, state=model["state"]))
+    task = backend.page_sums.get(info.id)  # the page sums a lazy restore of files needs
+    if task is not None:
+        assert await task
+    await hub.stop_server(alice.pw_name)
+    assert not processes_of(alice.pw_uid)
+
+    await hub.start_server(alice.pw_name)
+    check = "print(x, os.getuid(), hashlib.sha256(data).hexdigest() == h)"
+    kid2, out = await hub.execute(alice.pw_name, check, kernel_id=kid)
+    assert kid2 == kid and out.split() == ["42", str(alice.pw_uid), "True"], out
+    phases = Manifest.load(backend.folder(info.id)).extra["restore_phases"]
+    assert phases["mode"] == "lazy" and phases["lazy_shared_bytes"] == 64 << 20, phases
+    assert phases["lazy_bytes"] >= 128 << 20
+    restored = psutil.Process((await hub.get_server(alice.pw_name))["state"]["pid"])
+    assert restored.children()[0].uids().real == alice.pw_uid
