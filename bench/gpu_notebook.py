@@ -662,7 +662,10 @@ async def gpusnap_run(
     phases = (done.extra.get("restore_phases") if done else None) or {}
     say(f"{tag}: restore ({phases.get('mode', 'eager')}) complete after {full_restore:.2f} s")
     if LOGS_DIR and phases.get("mode") == "lazy":  # the daemon's log: every fault and request
-        name = f"{gib:g}_{backend.storage}_lazy-pages.log"
+        logs = Path(LOGS_DIR)
+        logs.mkdir(parents=True, exist_ok=True)
+        n = len(list(logs.glob(f"{gib:g}_{backend.storage}_*lazy-pages.log"))) + 1
+        name = f"{gib:g}_{backend.storage}_{n}_lazy-pages.log"  # one per restore, in order
         log = backend.folder(info.id) / "lazy-pages.log"
         for _ in range(100):  # copied there as the staging folder is cleared, just after
             if log.is_file():
