@@ -72,7 +72,8 @@ from jupyterhub_gpusnap.model import Server
 COLUMNS = [
     "gib", "storage", "mode", "copiers", "shared_mib", "answer_s", "answer_min_s", "answer_max_s", "all_in_s",
     "all_in_ratio", "intact", "suspend_s", "sums_s", "served_mib", "requests", "fault_requests",
-    "staged_s", "running_s", "read_wait_s", "send_wait_s", "idle_wait_s",
+    "staged_s", "running_s", "read_wait_s", "send_wait_s", "idle_wait_s", "put_s",
+    "background_answer_p50_ms",
 ]  # fmt: skip
 
 HOLDER = r"""
@@ -224,7 +225,7 @@ async def restore_lazy(
             # where the time went: staging, the tree's restore, then the page server's
             # waits while the memory came (read: reading and checking; send: the daemon had
             # not taken the last answer; idle: nothing asked for)
-            **{k: stats[k] for k in PHASES}}  # fmt: skip
+            **{k: stats.get(k) for k in PHASES}}  # fmt: skip
 
 
 async def run(sizes: list[float], restores: int, root: Path) -> list[dict]:
@@ -296,7 +297,10 @@ async def run(sizes: list[float], restores: int, root: Path) -> list[dict]:
     return rows
 
 
-PHASES = ("staged_s", "running_s", "read_wait_s", "send_wait_s", "idle_wait_s")
+PHASES = (
+    "staged_s", "running_s", "read_wait_s", "send_wait_s", "idle_wait_s", "put_s",
+    "background_answer_p50_ms", "background_answer_p90_ms",
+)  # fmt: skip
 LOGS: Path | None = None  # --logs: where the daemon's logs are kept
 SHARED: list = [0]  # --shared: MiB of memory the pages go through instead of the socket
 COPIERS: list = [None]  # --copiers: the lazy restores' copier threads (None: CRIU's default)

@@ -568,6 +568,10 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
     assert done["lazy_background_requests"] > 0
     waits = [done[f"lazy_{k}_wait_s"] for k in ("read", "send", "idle")]
     assert all(w >= 0 for w in waits) and 0 < sum(waits) < 60, done
+    # and how long its answers took from the requests' arrival; through the socket (the
+    # copiers need it) nothing was copied into shared memory
+    assert 0 <= done["lazy_background_answer_p50_ms"] <= done["lazy_background_answer_p90_ms"]
+    assert done["lazy_put_s"] == 0, done
     assert "lazy_pending" not in m.extra and not lazyb.lazy_restores
     # LocalBackend.lazy_copiers reached the daemon (CRIU patch 0011), whose copiers copied
     log = (folder / lazy.LAZY_LOG).read_text()

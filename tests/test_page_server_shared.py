@@ -91,6 +91,8 @@ async def test_pages_come_through_the_shared_memory_and_their_room_is_used_again
             writer.write(IOV.pack(PS_IOV_PUT, nr, off, 7))  # copied: give it back
         assert len(set(offsets)) < len(offsets), "the room given back was not used again"
         assert max(offsets) + (4 << 20) <= 16 << 20
+        # each answer's pages were copied into the ring, and each answer's time recorded
+        assert server.put_s > 0 and len(server.background_answer_s) == 12
         for _ in range(100):
             if server.ring.used == 0:
                 break

@@ -194,6 +194,8 @@ async def test_the_server_says_where_the_transfer_waited(tmp_path):
         busy.set()
         await reader.readexactly(IOV.size + 256 * PAGE)
         assert server.waited["read"] >= 0.25
+        # the answer's time, from the request's arrival, counts the read it waited for
+        assert len(server.background_answer_s) == 1 and server.background_answer_s[0] >= 0.25
         # the next MiB goes on where that ended: it starts the read-ahead ...
         writer.write(IOV.pack(PS_IOV_GET, 256, 0x10000000 + (1 << 20), 7))
         await reader.readexactly(IOV.size + 256 * PAGE)

@@ -221,6 +221,16 @@ def stage(image: FilesImage | ChunksImage, dest: Path, pool: Executor, times: di
 
 
 # ---------------------------------------------------------------------- the restore
+def _quantiles_ms(name: str, seconds: list[float]) -> dict:
+    """``{name}_p50_ms`` and ``{name}_p90_ms`` of ``seconds`` (none when it is empty)."""
+    if not seconds:
+        return {}
+    s = sorted(seconds)
+    return {
+        f"{name}_p{q}_ms": round(s[min(len(s) - 1, len(s) * q // 100)] * 1000, 2) for q in (50, 90)
+    }
+
+
 def _descendants(pid: int) -> list[int]:
     try:
         return [c.pid for c in psutil.Process(pid).children(recursive=True)]
@@ -439,6 +449,8 @@ async def _watch(lazy: LazyRestore, failed: asyncio.Event, stop_all, poll: float
             read_s=round(server.read_s, 3),
             background_requests=server.asked[BACKGROUND],
             background_from_memory=server.from_memory,
+            put_s=round(server.put_s, 3),
+            **_quantiles_ms("background_answer", server.background_answer_s),
             **{f"{k}_wait_s": round(v, 3) for k, v in server.waited.items()},
         )
         return lazy.stats

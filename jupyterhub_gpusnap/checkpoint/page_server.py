@@ -226,6 +226,10 @@ class PageServer:
         # copies the one before into the process); ``idle``: nothing was asked for.
         self.waited = {"read": 0.0, "send": 0.0, "idle": 0.0}
         self.from_memory = 0  # background requests whose answer was checked before they came
+        self.put_s = 0.0  # copying answers into the shared memory (part of ``send``)
+        # seconds from a background request's arrival until its answer was written: what
+        # the daemon's requests in flight must cover
+        self.background_answer_s: list[float] = []
         self.first_at: float | None = None
         self.last_at: float | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -284,7 +288,7 @@ class PageServer:
                             )
                         elif kind == BACKGROUND:
                             self.from_memory += 1
-                    self._queue((vaddr, dst, fut, kind), kind)
+                    self._queue((vaddr, dst, fut, kind, time.monotonic()), kind)
                 elif cmd == PS_IOV_PUT and self.ring is not None:
                     try:
                         self.ring.give(vaddr, nr * PAGE)
@@ -430,7 +434,7 @@ class PageServer:
                 await writer.drain()
                 self.closed.set()
                 continue
-            vaddr, dst, fut, kind = item
+            vaddr, dst, fut, kind, asked_at = item
             try:
                 nr, data, name, end = fut.result()
             except Exception as e:
@@ -443,7 +447,9 @@ class PageServer:
                 off = self.ring.take(nr * PAGE, kind == BACKGROUND)
                 if off is None:
                     return  # closed: the daemon is gone
+                t_put = time.monotonic()
                 self.ring.put(data, off)
+                self.put_s += time.monotonic() - t_put
                 flags = (PE_PRESENT | PE_SHM) << PS_CMD_BITS
                 writer.write(IOV.pack(PS_IOV_ADD_F | flags, nr, vaddr, dst) + SHM_OFFSET.pack(off))
             else:
@@ -453,9 +459,11 @@ class PageServer:
                 await writer.drain()
             except ConnectionError:
                 return
-            self.waited["send"] += time.monotonic() - t
-            self.bytes += nr * PAGE
             self.last_at = time.monotonic()
+            self.waited["send"] += self.last_at - t
+            self.bytes += nr * PAGE
+            if kind == BACKGROUND:
+                self.background_answer_s.append(self.last_at - asked_at)
 
     def _fail(self, error: Exception) -> None:
         if self.failure is None:
