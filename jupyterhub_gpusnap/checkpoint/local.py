@@ -344,11 +344,11 @@ class LocalBackend(
         help="""restore_mode = 'lazy': threads of CRIU's lazy-pages daemon that copy the pages
         arriving in the background into the restored server (CRIU patch 0011) while the
         daemon receives the next ones. 0 (default): the daemon copies them itself, one at a
-        time; on an H100 host every page was then in at 1.3-1.9 GB/s whatever the disks
-        could give. Copiers need cores to spare beside the page server and the server's
-        own work: on a 2-core machine 4 copiers brought no gain from files and made
-        restores from chunks 15 % slower, and they are not yet measured on a GPU host, so
-        they are off by default. A page a process waits for is always copied at once by
+        time. Copiers need cores to spare beside the page server and the server's own
+        work: on a 2-core machine 4 copiers brought no gain from files and made restores
+        from chunks 15 % slower; on an H100 host they made no difference beyond the noise
+        (the daemon waits longer for its next answer than a copy takes), so they are off by
+        default. A page a process waits for is always copied at once by
         the daemon itself. Each copier holds up to two 8 MiB buffers (64 MiB per restore at
         4). Only with lazy_shared_mib = 0: pages in shared memory are copied by the daemon
         itself. Used where restores run (the Hub); docs/lazy-restore.md ("Copier
@@ -363,8 +363,9 @@ class LocalBackend(
         (CRIU patch 0012). Through the socket each page is copied twice more (into it and out
         of it) before the daemon copies it into the server; through this memory the daemon
         copies it straight from there. 0: the socket (as before, and with a CRIU without
-        0012). On a 2-core machine every page of a 1 GiB server was back about 20 % sooner
-        (docs/lazy-restore.md, "Shared memory"). At least 16 (the background transfer
+        0012). On a 2-core machine every page of a 1 GiB server was back about 20 % sooner;
+        on an H100 host no sooner beyond the noise, with less of the page server's time
+        spent waiting to send (docs/lazy-restore.md, "Shared memory"). At least 16 (the background transfer
         fills half of it at most, so that a page fault's answer waits behind no more); it
         is memory of the host where restores run (the Hub), per restore under way. The
         daemon then copies on one thread: lazy_copiers is for lazy_shared_mib = 0.""",
