@@ -665,14 +665,15 @@ async def gpusnap_run(
         logs = Path(LOGS_DIR)
         logs.mkdir(parents=True, exist_ok=True)
         n = len(list(logs.glob(f"{gib:g}_{backend.storage}_*lazy-pages.log"))) + 1
-        name = f"{gib:g}_{backend.storage}_{n}_lazy-pages.log"  # one per restore, in order
         log = backend.folder(info.id) / "lazy-pages.log"
         for _ in range(100):  # copied there as the staging folder is cleared, just after
             if log.is_file():
                 break
             await asyncio.sleep(0.1)
-        with contextlib.suppress(OSError):
-            shutil.copyfile(log, Path(LOGS_DIR) / name)
+        # one pair per restore, in order: the daemon's log and the page server's
+        for kept in ("lazy-pages.log", "page-server.log"):
+            with contextlib.suppress(OSError):
+                shutil.copyfile(log.with_name(kept), logs / f"{gib:g}_{backend.storage}_{n}_{kept}")
     say(f"{tag}: same kernel answered after {click:.2f} s (ready {ready_s:.2f} s, backend restore "
         f"{restore_s:.2f} s); checksum cell {first_tensor_cell:.2f} s, intact: {after == checksum}")  # fmt: skip
 

@@ -16,6 +16,16 @@ With copier threads (CRIU patch 0011) the daemon hands each background answer ov
 ``copier_p90_ms`` are a copier's own time for 4 MiB, ``copier_copies`` how many it copied, and
 ``last_copy_s`` counts the copiers' last copy.
 
+Both sides of each round trip, when the page server's log of the same restore lies beside
+the daemon's (``page-server.log`` for ``lazy-pages.log``, ``X_page-server.log`` for
+``X_lazy-pages.log``; the service keeps both in the checkpoint's folder): for the background
+answers of 4 MiB, ``joined`` of them found in both, ``to_server_ms`` from the daemon's request
+until the page server read it, ``server_ms`` until the page server had written the answer,
+``to_daemon_ms`` from then until the daemon copied it (which includes the daemon's copy of
+the answer before it), medians and ``_p90_ms``. The daemon's log counts from its start and
+the page server's is the wall clock: the two are set so that the quickest request reached the
+page server at once, and ``to_server_ms`` is what a request took on top of that quickest one.
+
 Usage: ``python bench/lazy_pages_log.py LOG [LOG ...] [--until SECONDS]`` (``--until``:
 count only the faults before then, e.g. the kernel's first answer).
 """
@@ -55,12 +65,58 @@ def _lines(path: Path):
         yield from f
 
 
+def _server_log(path: Path) -> Path | None:
+    """The page server's log beside the daemon's ``path``, if there is one."""
+    for suffix in ("", ".xz"):
+        name = path.name.removesuffix(".xz").replace("lazy-pages.log", "page-server.log")
+        other = path.with_name(name + suffix)
+        if other != path and other.is_file():
+            return other
+    return None
+
+
+def _served(path: Path) -> dict[tuple[int, int], list[tuple[float, float]]]:
+    """The page server's answers of 4 MiB in the background, by (process, vaddr): (read,
+    written), in order."""
+    out: dict[tuple[int, int], list[tuple[float, float]]] = defaultdict(list)
+    for line in _lines(path):
+        f = line.split()
+        if len(f) != 6 or f[0].startswith("#") or f[2] != "background" or f[1] == "-":
+            continue
+        if int(f[5]) * 4096 == FULL:
+            out[int(f[3]), int(f[4], 16)].append((float(f[0]), float(f[1])))
+    return out
+
+
+def _round_trips(p: dict, pid: int, served: dict) -> dict:
+    """Join the daemon's background requests of 4 MiB and their copies with the page
+    server's reads and answers (columns of the module's docstring)."""
+    pairs = []  # (asked, read, written, copied): daemon's clock, then the wall clock
+    for addr, asked, copied in p["trips"]:
+        got = served.get((pid, addr))
+        if got:
+            read, written = got.pop(0)
+            pairs.append((asked, read, written, copied))
+    if not pairs:
+        return {"joined": 0}
+    fix = min(read - asked for asked, read, _, _ in pairs)  # the daemon's clock to the wall
+    to_server = [read - fix - asked for asked, read, _, _ in pairs]
+    server = [written - read for _, read, written, _ in pairs]
+    to_daemon = [copied - (written - fix) for _, _, written, copied in pairs]
+    return {
+        "joined": len(pairs),
+        "to_server_ms": _ms(to_server), "to_server_p90_ms": _ms(to_server, 0.9),
+        "server_ms": _ms(server), "server_p90_ms": _ms(server, 0.9),
+        "to_daemon_ms": _ms(to_daemon), "to_daemon_p90_ms": _ms(to_daemon, 0.9),
+    }  # fmt: skip
+
+
 def summarize(path: Path, until: float | None = None) -> list[dict]:
     procs: dict[int, dict] = defaultdict(
         lambda: {"faults": [], "pending": {}, "background": 0, "bg_bytes": 0, "copied": 0,
                  "first_fault": None, "last_fault": None, "last_copy": None, "faulted": 0,
                  "around": 0, "around_bytes": 0, "copy": [], "receive": [], "last": None,
-                 "copier": []}
+                 "copier": [], "asked": {}, "trips": []}
     )  # fmt: skip
     for line in _lines(path):
         m = LINE.match(line.rstrip("\n"))
@@ -82,6 +138,8 @@ def summarize(path: Path, until: float | None = None) -> list[dict]:
             p["last_copy"] = t
             if addr in p["pending"]:
                 p["faults"].append(t - p["pending"].pop(addr))
+            if n == FULL and addr in p["asked"]:
+                p["trips"].append((addr, p["asked"].pop(addr), t))
             if n == FULL:
                 if p["last"] is not None and p["last"][0] == "request":
                     p["receive"].append(t - p["last"][1])
@@ -97,9 +155,13 @@ def summarize(path: Path, until: float | None = None) -> list[dict]:
         elif b := BACKGROUND.match(what):
             p["background"] += 1
             p["bg_bytes"] += int(b.group(1)) * 4096
+            if int(b.group(1)) * 4096 == FULL:
+                p["asked"][int(b.group(2), 16)] = t
             if p["last"] is not None and p["last"][0] == "copy":
                 p["copy"].append(t - p["last"][1])
             p["last"] = ("request", t)
+    server_log = _server_log(path)
+    served = _served(server_log) if server_log is not None else None
     rows = []
     for pid, p in sorted(procs.items()):
         w = sorted(p["faults"])
@@ -121,6 +183,7 @@ def summarize(path: Path, until: float | None = None) -> list[dict]:
             "receive_p90_ms": _ms(p["receive"], 0.9),
             "copier_copies": len(p["copier"]), "copier_ms": _ms(p["copier"]),
             "copier_p90_ms": _ms(p["copier"], 0.9),
+            **(_round_trips(p, pid, served) if served is not None else {}),
         })  # fmt: skip
     return rows
 

@@ -31,8 +31,9 @@ staged and checked), ``running_s`` (until the tree runs: staging and CRIU's rest
 tree), and the page server's waits while the memory came: ``read_wait_s`` (an answer was
 asked for and still being read and checked), ``send_wait_s`` (the daemon had not taken the
 last answer: it was copying), ``idle_wait_s`` (nothing was asked for). ``--logs DIR`` keeps
-the daemon's log of the last lazy restore of each storage and copier setting
-(``python bench/lazy_pages_log.py DIR/*.log`` reads them).
+the daemon's log and the page server's of the last lazy restore of each storage and copier
+setting (``python bench/lazy_pages_log.py DIR/*lazy-pages.log`` reads them, each with the
+page server's beside it).
 ``--repeated F``: the last part F of the data is one byte over and over, like the zero-filled
 buffers of a GPU process; the chunk store cuts it into its smallest chunks.
 
@@ -215,8 +216,9 @@ async def restore_lazy(
         await asyncio.to_thread(lr.restored.criu.wait)
         if LOGS is not None:  # the daemon's log of the last lazy restore of each kind
             LOGS.mkdir(parents=True, exist_ok=True)
-            name = f"{m.storage}_{copiers if copiers is not None else 'default'}_{shared_mib}.log"
-            shutil.copyfile(staging / lazy.LAZY_LOG, LOGS / name)
+            name = f"{m.storage}_{copiers if copiers is not None else 'default'}_{shared_mib}"
+            for log in (lazy.LAZY_LOG, lazy.PAGE_SERVER_LOG):  # the daemon's, the page server's
+                shutil.copyfile(staging / log, LOGS / f"{name}_{log}")
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return {"answer_s": answered, "all_in_s": all_in, "now": now,

@@ -59,3 +59,32 @@ def test_the_copiers_times(tmp_path):
     assert row["copy_ms"] == 0.1
     # the copiers' last copy, not the last hand-over
     assert row["last_copy_s"] == 1.004
+
+
+# the page server's log of the same restore (wall clock; the daemon started at 1000.0)
+SERVER_LOG = """\
+# read written kind process vaddr pages
+1000.500100 1000.502000 fault 7 0x5000 16
+1001.000200 1001.000700 background 7 0x1000000 1024
+1001.003000 1001.003100 background 7 0x1400000 1024
+1001.004500 1001.008000 background 7 0x1800000 1024
+1001.009000 - background 7 0x1c00000 1024
+"""
+
+
+def test_both_sides_of_each_round_trip_from_the_page_servers_log_beside(tmp_path):
+    log = tmp_path / "1_files_1_lazy-pages.log"
+    log.write_text(LOG)
+    (row,) = lazy_pages_log.summarize(log)
+    assert "joined" not in row, "joined without the page server's log"
+    (tmp_path / "1_files_1_page-server.log").write_text(SERVER_LOG)
+    (row,) = lazy_pages_log.summarize(log)
+    # three 4 MiB answers in both logs (the one never sent, and the fault, are not)
+    assert row["joined"] == 3
+    # the clocks are set by the quickest request (0.2 ms): the others took 0.3 ms more
+    assert (row["to_server_ms"], row["to_server_p90_ms"]) == (0.3, 0.3)
+    # read to written: 0.5, 0.1 and 3.5 ms
+    assert (row["server_ms"], row["server_p90_ms"]) == (0.5, 0.5)
+    # written to copied: 0.5, 0.1 and 2.2 ms
+    assert row["to_daemon_ms"] == 0.5
+    assert lazy_pages_log._server_log(log) == tmp_path / "1_files_1_page-server.log"

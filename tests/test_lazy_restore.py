@@ -572,6 +572,13 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
     # copiers need it) nothing was copied into shared memory
     assert 0 <= done["lazy_background_answer_p50_ms"] <= done["lazy_background_answer_p90_ms"]
     assert done["lazy_put_s"] == 0, done
+    # the page server's log beside the daemon's: every request, when it came and its answer
+    # went (bench/lazy_pages_log.py sets the two side by side)
+    rows = [line.split() for line in (folder / lazy.PAGE_SERVER_LOG).read_text().splitlines()[1:]]
+    background = [r for r in rows if r[2] == "background"]
+    assert len(background) == done["lazy_background_requests"], rows[:5]
+    assert all(float(r[0]) <= float(r[1]) for r in rows), rows[:5]
+    assert sum(int(r[5]) for r in rows) * 4096 >= done["lazy_served_bytes"]
     assert "lazy_pending" not in m.extra and not lazyb.lazy_restores
     # LocalBackend.lazy_copiers reached the daemon (CRIU patch 0011), whose copiers copied
     log = (folder / lazy.LAZY_LOG).read_text()

@@ -55,6 +55,7 @@ from .page_sums import SumsError, load_sums
 from .pagemap import PagemapError, eager_ranges, lazy_bytes, read_pagemaps
 
 LAZY_LOG = "lazy-pages.log"
+PAGE_SERVER_LOG = "page-server.log"  # when each request came and its answer went
 # Send buffer of the page server's socket (capped by wmem_max): room for one answer of the
 # background transfer (up to 4 MiB), and no more, since an answer to a page fault waits
 # behind what is in it.
@@ -348,6 +349,8 @@ async def restore(
         server.close()
         await asyncio.gather(serving, return_exceptions=True)
         close_sources()
+        with contextlib.suppress(OSError):
+            server.write_trace(staging / PAGE_SERVER_LOG)
 
     try:
         try:

@@ -198,11 +198,12 @@ class LazyRestoreMixin:
         return restored.pid, m.ip, m.port
 
     async def _unstage_lazy(self, folder: Path, images: Path) -> None:
-        """Keep the daemon's log in the checkpoint's folder (whole or not at all), clear the
-        staging folder."""
-        with contextlib.suppress(OSError):
-            shutil.copyfile(images / lazy.LAZY_LOG, folder / f"{lazy.LAZY_LOG}.part")
-            os.replace(folder / f"{lazy.LAZY_LOG}.part", folder / lazy.LAZY_LOG)
+        """Keep the daemon's and the page server's logs in the checkpoint's folder (each
+        whole or not at all), clear the staging folder."""
+        for log in (lazy.LAZY_LOG, lazy.PAGE_SERVER_LOG):
+            with contextlib.suppress(OSError):
+                shutil.copyfile(images / log, folder / f"{log}.part")
+                os.replace(folder / f"{log}.part", folder / log)
         await asyncio.to_thread(unstage, folder, images)
 
     async def _finish_lazy(

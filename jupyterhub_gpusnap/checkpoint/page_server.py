@@ -230,6 +230,9 @@ class PageServer:
         # seconds from a background request's arrival until its answer was written: what
         # the daemon's requests in flight must cover
         self.background_answer_s: list[float] = []
+        # every request: [read at, kind, process, vaddr, pages, answer written at] (wall
+        # clock, as CRIU's log: to set beside the daemon's, bench/lazy_pages_log.py)
+        self.trace: list[list] = []
         self.first_at: float | None = None
         self.last_at: float | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -288,7 +291,9 @@ class PageServer:
                             )
                         elif kind == BACKGROUND:
                             self.from_memory += 1
-                    self._queue((vaddr, dst, fut, kind, time.monotonic()), kind)
+                    row = [time.time(), kind, dst, vaddr, nr, None]
+                    self.trace.append(row)
+                    self._queue((vaddr, dst, fut, kind, time.monotonic(), row), kind)
                 elif cmd == PS_IOV_PUT and self.ring is not None:
                     try:
                         self.ring.give(vaddr, nr * PAGE)
@@ -434,7 +439,7 @@ class PageServer:
                 await writer.drain()
                 self.closed.set()
                 continue
-            vaddr, dst, fut, kind, asked_at = item
+            vaddr, dst, fut, kind, asked_at, row = item
             try:
                 nr, data, name, end = fut.result()
             except Exception as e:
@@ -460,10 +465,21 @@ class PageServer:
             except ConnectionError:
                 return
             self.last_at = time.monotonic()
+            row[5] = time.time()
             self.waited["send"] += self.last_at - t
             self.bytes += nr * PAGE
             if kind == BACKGROUND:
                 self.background_answer_s.append(self.last_at - asked_at)
+
+    def write_trace(self, path) -> None:
+        """Write :attr:`trace` to ``path``: a line per request, ``read written kind process
+        vaddr pages`` (times in seconds of the wall clock, ``-`` for an answer never sent)."""
+        names = ("fault", "around", "background")
+        with open(path, "w") as f:
+            f.write("# read written kind process vaddr pages\n")
+            for read, kind, dst, vaddr, nr, written in self.trace:
+                done = "-" if written is None else f"{written:.6f}"
+                f.write(f"{read:.6f} {done} {names[kind]} {dst} {vaddr:#x} {nr}\n")
 
     def _fail(self, error: Exception) -> None:
         if self.failure is None:
