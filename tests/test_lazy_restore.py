@@ -583,6 +583,9 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
     # LocalBackend.lazy_copiers reached the daemon (CRIU patch 0011), whose copiers copied
     log = (folder / lazy.LAZY_LOG).read_text()
     assert "lazy-pages: 2 copiers" in log and re.search(r"copier: 1024 of 1024 pages", log)
+    # and the daemon slept while it had nothing to ask for, instead of polling (CRIU 0013)
+    slept = re.search(r"lazy-pages: slept (\d+) times while nothing was to ask for", log)
+    assert slept and int(slept.group(1)) > 0, log[-2000:]
 
     # as a Hub that stopped mid-transfer leaves it: the guard killed the tree
     m.extra["lazy_pending"] = True
@@ -657,6 +660,26 @@ async def test_a_criu_without_the_lazy_patches_restores_eagerly_naming_them(
     assert "install CRIU with .ci/install-criu.sh" in caplog.text
 
 
+async def test_a_criu_whose_daemon_polls_is_named_at_the_start(tmp_path, caplog):
+    """Patch 0013 (the daemon sleeps while it has nothing to ask for) is a speed-up: a CRIU
+    without it still restores lazily, and warm_up says what it costs and how to get it."""
+    real = Path(criu.find_criu())
+    marker = criu.IDLE_PATCHES["0013-lazy-pages-idle-wait"].encode()
+    older = tmp_path / "criu-0012"  # the same CRIU, its 0013 marker gone
+    older.write_bytes(real.read_bytes().replace(marker, marker[:-1] + b"Z"))
+    older.chmod(0o755)
+    assert criu.lazy_patches_missing(str(older)) == []
+    assert criu.lazy_patches_missing(str(older), criu.IDLE_PATCHES) == ["0013-lazy-pages-idle-wait"]
+    assert criu.lazy_patches_missing(patches=criu.IDLE_PATCHES) == []
+    caplog.set_level("WARNING")
+    for path, named in ((older, True), (real, False)):
+        caplog.clear()
+        await LocalBackend(checkpoint_dir=str(tmp_path / "ckpt"), min_free_bytes=0,
+                           restore_mode="lazy", criu_path=str(path)).warm_up()  # fmt: skip
+        said = f"{path} lacks patch 0013" in caplog.text and "taking a core" in caplog.text
+        assert said == named, caplog.text
+
+
 async def test_copiers_asked_of_a_criu_without_them_are_named_at_the_start(tmp_path, caplog):
     """Copier threads (patch 0011) are a speed-up, not a need: a CRIU with 0002-0010 but not
     0011 still restores lazily, and LocalBackend.lazy_copiers > 0 says at the start that
@@ -685,13 +708,16 @@ def test_the_lazy_patches_are_the_ones_install_criu_builds_and_checks():
     ci = Path(__file__).resolve().parent.parent / ".ci"
     script = (ci / "install-criu.sh").read_text()
     names = {p.name.removesuffix(".patch") for p in (ci / "criu-patches").glob("*.patch")}
-    for name, marker in {**criu.LAZY_PATCHES, **criu.COPIER_PATCHES, **criu.SHARED_PATCHES}.items():
+    known = {**criu.LAZY_PATCHES, **criu.COPIER_PATCHES, **criu.SHARED_PATCHES,
+             **criu.IDLE_PATCHES}  # fmt: skip
+    for name, marker in known.items():
         assert name in names, f"{name}.patch is not in .ci/criu-patches"
         assert f"'{marker}'" in script, f"install-criu.sh does not check for {name}'s marker"
     lazy_names = {n for n in names if "lazy" in n}
-    assert lazy_names == set(criu.LAZY_PATCHES) | set(criu.COPIER_PATCHES) | set(
-        criu.SHARED_PATCHES
-    ), "a lazy-pages patch is in none of LAZY_PATCHES, COPIER_PATCHES and SHARED_PATCHES"
+    assert lazy_names == set(known), (
+        "a lazy-pages patch is in none of LAZY_PATCHES, COPIER_PATCHES, SHARED_PATCHES and "
+        "IDLE_PATCHES"
+    )
 
 
 class StandInDriver:

@@ -476,6 +476,8 @@ LAZY_PATCHES = {
 COPIER_PATCHES = {"0011-lazy-pages-copiers": "copier: %d events read while waiting for a buffer"}
 # Answers in shared memory (LocalBackend.lazy_shared_mib): a speed-up, not needed either
 SHARED_PATCHES = {"0012-lazy-pages-shared-answers": "lazy-pages: answers in shared memory of %lu bytes"}  # fmt: skip
+# The daemon sleeps while it has nothing to ask for (upstream it polled, taking a core)
+IDLE_PATCHES = {"0013-lazy-pages-idle-wait": "lazy-pages: slept %lu times while nothing was to ask for"}  # fmt: skip
 
 _lazy_missing: dict[tuple, set[str]] = {}
 
@@ -483,7 +485,8 @@ _lazy_missing: dict[tuple, set[str]] = {}
 def lazy_patches_missing(criu: str = "", patches: dict[str, str] | None = None) -> list[str]:
     """The patches of ``patches`` (default :data:`LAZY_PATCHES`) the criu binary lacks (all
     of them when it cannot be found or read). The binary is read once per path, size and
-    change time, for every patch of LAZY_PATCHES, COPIER_PATCHES and SHARED_PATCHES."""
+    change time, for every patch of LAZY_PATCHES, COPIER_PATCHES, SHARED_PATCHES and
+    IDLE_PATCHES."""
     patches = LAZY_PATCHES if patches is None else patches
     binary = find_criu(criu)
     if not binary:
@@ -495,7 +498,7 @@ def lazy_patches_missing(criu: str = "", patches: dict[str, str] | None = None) 
         if key not in _lazy_missing:
             with open(real, "rb") as f:
                 data = f.read()
-            known = {**LAZY_PATCHES, **COPIER_PATCHES, **SHARED_PATCHES}
+            known = {**LAZY_PATCHES, **COPIER_PATCHES, **SHARED_PATCHES, **IDLE_PATCHES}
             _lazy_missing[key] = {n for n, m in known.items() if m.encode() not in data}
         return [n for n in patches if n in _lazy_missing[key]]
     except OSError:

@@ -700,6 +700,18 @@ class LocalBackend(
                         setting, getattr(self, setting), criu.find_criu(self.criu_path) or "criu",
                         missing[0][:4], what, instead,
                     )  # fmt: skip
+            if not eager and not lacking:
+                missing = await asyncio.to_thread(
+                    criu.lazy_patches_missing, self.criu_path, criu.IDLE_PATCHES
+                )
+                if missing:
+                    self.log.warning(
+                        "%s lacks patch %s (the lazy-pages daemon sleeps while it has nothing "
+                        "to ask for) of .ci/criu-patches: its daemon polls instead, taking a "
+                        "core for each lazy restore's transfer; install CRIU with "
+                        ".ci/install-criu.sh",
+                        criu.find_criu(self.criu_path) or "criu", missing[0][:4],
+                    )  # fmt: skip
         except CheckpointRefused as e:
             self.log.error("local checkpoints disabled until fixed: %s", e)
         except Exception as e:  # not expected: the first restore will say more
