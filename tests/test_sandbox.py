@@ -472,9 +472,20 @@ def test_inside_the_sandbox(sandboxed):
     assert "inside" not in sb.launcher_out.read_text()
     # the server runs in its own session
     assert os.getsid(server) == server
-    # the detached job was reparented to the init: still in the tree CRIU dumps
-    sleeper = [p for p in tree if psutil.Process(p).cmdline() == ["sleep", "1000"]]
-    assert len(sleeper) == 1, f"the nohup'd sleep is not in the init's tree {tree}"
+
+    # the detached job was reparented to the init: still in the tree CRIU dumps (once the
+    # shell's child has exec'd nohup and nohup sleep: "ready" may come before that)
+    def sleepers() -> list[int]:
+        out = []
+        for p in tree_pids(init):
+            with contextlib.suppress(psutil.Error):
+                if psutil.Process(p).cmdline() == ["sleep", "1000"]:
+                    out.append(p)
+        return out
+
+    wait_until(sleepers, "the nohup'd sleep in the init's tree", timeout=10)
+    sleeper = sleepers()
+    assert len(sleeper) == 1, f"the nohup'd sleep is not in the init's tree {tree_pids(init)}"
     assert psutil.Process(sleeper[0]).ppid() == init
     # and it never escaped to the host's tree outside the sandbox
     assert psutil.Process(sb.proc.pid).children() == [psutil.Process(init)]
