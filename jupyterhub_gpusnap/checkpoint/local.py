@@ -679,38 +679,32 @@ class LocalBackend(
                     lacking,
                     self.restore_mode,
                 )
-            # the optional speed-ups asked for, each with what a CRIU without it does
+            # the optional speed-ups (those a setting asks for, and those always used), each
+            # with what a CRIU without it does
             optional = [
                 ("lazy_copiers", criu.COPIER_PATCHES, "copier threads",
                  "its lazy-pages daemon copies on one thread"),
                 ("lazy_shared_mib", criu.SHARED_PATCHES, "answers in shared memory",
                  "the pages of lazy restores go through the socket"),
+                (None, criu.IDLE_PATCHES,
+                 "the lazy-pages daemon sleeps while it has nothing to ask for",
+                 "its daemon polls instead, taking a core for each lazy restore's transfer"),
             ]  # fmt: skip
             for setting, patches, what, instead in optional:
-                if eager or lacking or not getattr(self, setting):
+                if eager or lacking or (setting and not getattr(self, setting)):
                     continue
                 missing = await asyncio.to_thread(
                     criu.lazy_patches_missing, self.criu_path, patches
                 )
                 if missing:
+                    asked = (
+                        f"LocalBackend.{setting} = {getattr(self, setting)}: " if setting else ""
+                    )
                     self.log.warning(
-                        "LocalBackend.%s = %d: %s lacks patch %s (%s) of .ci/criu-patches, or "
-                        "has an earlier version of it; %s; install CRIU with "
-                        ".ci/install-criu.sh",
-                        setting, getattr(self, setting), criu.find_criu(self.criu_path) or "criu",
-                        missing[0][:4], what, instead,
-                    )  # fmt: skip
-            if not eager and not lacking:
-                missing = await asyncio.to_thread(
-                    criu.lazy_patches_missing, self.criu_path, criu.IDLE_PATCHES
-                )
-                if missing:
-                    self.log.warning(
-                        "%s lacks patch %s (the lazy-pages daemon sleeps while it has nothing "
-                        "to ask for) of .ci/criu-patches: its daemon polls instead, taking a "
-                        "core for each lazy restore's transfer; install CRIU with "
-                        ".ci/install-criu.sh",
-                        criu.find_criu(self.criu_path) or "criu", missing[0][:4],
+                        "%s%s lacks patch %s (%s) of .ci/criu-patches, or has an earlier "
+                        "version of it; %s; install CRIU with .ci/install-criu.sh",
+                        asked, criu.find_criu(self.criu_path) or "criu", missing[0][:4], what,
+                        instead,
                     )  # fmt: skip
         except CheckpointRefused as e:
             self.log.error("local checkpoints disabled until fixed: %s", e)

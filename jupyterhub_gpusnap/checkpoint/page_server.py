@@ -227,9 +227,6 @@ class PageServer:
         self.waited = {"read": 0.0, "send": 0.0, "idle": 0.0}
         self.from_memory = 0  # background requests whose answer was checked before they came
         self.put_s = 0.0  # copying answers into the shared memory (part of ``send``)
-        # seconds from a background request's arrival until its answer was written: what
-        # the daemon's requests in flight must cover
-        self.background_answer_s: list[float] = []
         # every request: [read at, kind, process, vaddr, pages, answer written at] (wall
         # clock, as CRIU's log: to set beside the daemon's, bench/lazy_pages_log.py)
         self.trace: list[list] = []
@@ -248,6 +245,12 @@ class PageServer:
         # (pages file, kind) -> the offset after its last answer, and after its last request
         self._next: dict[tuple[str, int], int] = {}
         self._asked: dict[tuple[str, int], int] = {}
+
+    @property
+    def background_answer_s(self) -> list[float]:
+        """Seconds from each background request's arrival until its answer was written:
+        what the daemon's requests in flight must cover."""
+        return [w - r for r, kind, *_, w in self.trace if kind == BACKGROUND and w is not None]
 
     @property
     def faults(self) -> int:
@@ -293,7 +296,7 @@ class PageServer:
                             self.from_memory += 1
                     row = [time.time(), kind, dst, vaddr, nr, None]
                     self.trace.append(row)
-                    self._queue((vaddr, dst, fut, kind, time.monotonic(), row), kind)
+                    self._queue((vaddr, dst, fut, kind, row), kind)
                 elif cmd == PS_IOV_PUT and self.ring is not None:
                     try:
                         self.ring.give(vaddr, nr * PAGE)
@@ -439,7 +442,7 @@ class PageServer:
                 await writer.drain()
                 self.closed.set()
                 continue
-            vaddr, dst, fut, kind, asked_at, row = item
+            vaddr, dst, fut, kind, row = item
             try:
                 nr, data, name, end = fut.result()
             except Exception as e:
@@ -468,8 +471,6 @@ class PageServer:
             row[5] = time.time()
             self.waited["send"] += self.last_at - t
             self.bytes += nr * PAGE
-            if kind == BACKGROUND:
-                self.background_answer_s.append(self.last_at - asked_at)
 
     def write_trace(self, path) -> None:
         """Write :attr:`trace` to ``path``: a line per request, ``read written kind process
