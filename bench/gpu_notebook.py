@@ -65,7 +65,8 @@ the length, all through sha256. No tensor data is copied to the host.
 The page cache is dropped before each restore (``cold_cache``; ``--keep-cache`` keeps it). Only
 one image is on disk at a time (each is deleted after its run). Needs root, an NVIDIA GPU with
 driver >= 570, PyTorch, CRIU >= 4.2, jupyterhub, jupyter_server, ipykernel and
-configurable-http-proxy (on the GPU machine: ``source .carry/kit.sh``).
+configurable-http-proxy: ``pip install -e '.[demo]'`` in a Python that has PyTorch,
+``npm install -g configurable-http-proxy`` and ``.ci/install-criu.sh`` (docs/install.md).
 
 Usage: ``python3 bench/gpu_notebook.py [GIB ...] [--gib GIB ...] [--repeat N] [--dir DIR]
 [--keep-cache] [--user NAME]`` → ``bench/results/gpu_notebook.json`` for the default sizes, else
@@ -204,7 +205,7 @@ def check_gpu_python() -> str:
     )
     hint = (
         f"bench/gpu_notebook.py needs an NVIDIA GPU and PyTorch in this Python ({sys.executable}); "
-        "run it on the GPU machine (source .carry/kit.sh first)"
+        "run it on a GPU machine, in a Python that has both (docs/install.md)"
     )
     try:
         out = subprocess.run(
@@ -229,16 +230,23 @@ def check_machine(root: Path, sizes: list[float]) -> str:
     missing = [m for m in ("jupyterhub", "jupyter_server", "ipykernel", "psutil", "tornado")
                if not _importable(m)]  # fmt: skip
     if missing:
-        sys.exit(f"not importable by {sys.executable}: {', '.join(missing)} (source .carry/kit.sh)")
+        sys.exit(
+            f"not importable by {sys.executable}: {', '.join(missing)} (pip install -e '.[demo]')"
+        )
     for tool in ("configurable-http-proxy", "unshare", "setpriv", "setsid"):
         if not shutil.which(tool):
-            sys.exit(f"{tool} not on PATH (source .carry/kit.sh)")
+            how = (
+                "npm install -g "
+                if tool == "configurable-http-proxy"
+                else "apt-get install util-linux: "
+            )
+            sys.exit(f"{tool} not on PATH ({how}{tool})")
     from jupyterhub_gpusnap.checkpoint.criu import find_criu
     from jupyterhub_gpusnap.gpu.cuda import CudaCheckpoint
 
     criu = find_criu()
     if not criu:
-        sys.exit("criu not found (source .carry/kit.sh, or .ci/install-criu.sh)")
+        sys.exit("criu not found: install it with .ci/install-criu.sh")
     cuda = CudaCheckpoint()
     if not cuda.available():
         sys.exit(f"CUDA driver checkpoint API unavailable: {cuda.reason}")
@@ -661,19 +669,9 @@ async def gpusnap_run(
     restore_s = (done.extra.get("restore_s") if done else None) or 0.0
     phases = (done.extra.get("restore_phases") if done else None) or {}
     say(f"{tag}: restore ({phases.get('mode', 'eager')}) complete after {full_restore:.2f} s")
-    if LOGS_DIR and phases.get("mode") == "lazy":  # the daemon's log: every fault and request
-        logs = Path(LOGS_DIR)
-        logs.mkdir(parents=True, exist_ok=True)
-        n = len(list(logs.glob(f"{gib:g}_{backend.storage}_*lazy-pages.log"))) + 1
-        log = backend.folder(info.id) / "lazy-pages.log"
-        for _ in range(100):  # copied there as the staging folder is cleared, just after
-            if log.is_file():
-                break
-            await asyncio.sleep(0.1)
-        # one pair per restore, in order: the daemon's log and the page server's
-        for kept in ("lazy-pages.log", "page-server.log"):
-            with contextlib.suppress(OSError):
-                shutil.copyfile(log.with_name(kept), logs / f"{gib:g}_{backend.storage}_{n}_{kept}")
+    if LOGS_DIR:
+        await keep_logs(Path(LOGS_DIR), backend.folder(info.id), f"{gib:g}_{backend.storage}",
+                        phases.get("mode", "eager"))  # fmt: skip
     say(f"{tag}: same kernel answered after {click:.2f} s (ready {ready_s:.2f} s, backend restore "
         f"{restore_s:.2f} s); checksum cell {first_tensor_cell:.2f} s, intact: {after == checksum}")  # fmt: skip
 
@@ -989,6 +987,32 @@ async def bare_run(root: Path, criu: str, cuda, gpu: Gpu, pw: pwd.struct_passwd,
 
 KEEP_CACHE = False  # --keep-cache
 LOGS_DIR = ""  # --logs
+
+
+async def keep_logs(logs: Path, folder: Path, prefix: str, mode: str) -> None:
+    """--logs: copy a restore's logs from its checkpoint folder into ``logs``, numbered per
+    size, storage and mode: CRIU's restore log (where the tree's restore took its time) and,
+    for a lazy restore, the daemon's log (every fault and request) and the page server's."""
+    logs.mkdir(parents=True, exist_ok=True)
+    names = ["restore.log"]
+    if mode == "lazy":
+        names += ["lazy-pages.log", "page-server.log"]
+        for _ in range(100):  # copied there as the staging folder is cleared, just after
+            if (folder / "lazy-pages.log").is_file():
+                break
+            await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)  # the restore log comes with the staging folder's clearing
+    n = len(list(logs.glob(f"{prefix}_*_{mode}_restore.log"))) + 1
+    for name in names:
+        if name == "restore.log":
+            found = sorted(folder.glob("restore-*.log"), key=lambda p: (p.stat().st_mtime, p.name))
+            src = found[-1] if found else None
+        else:
+            src = folder / name
+        with contextlib.suppress(OSError, TypeError):
+            shutil.copyfile(src, logs / f"{prefix}_{n}_{mode}_{name}")
+
+
 COLUMNS = [
     "gib", "gpu_gib", "image_gib", "time_to_gpu_free_s", "bare_gpu_free_s", "gpu_free_ratio",
     "time_to_disk_s", "bare_dump_s", "disk_ratio", "click_to_kernel_s", "bare_restore_s", "click_ratio",
@@ -1365,7 +1389,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--logs",
         default="",
         metavar="DIR",
-        help="copy each lazy restore's lazy-pages.log (every fault and request, with times) here",
+        help="copy each restore's CRIU restore log here, and a lazy restore's lazy-pages.log (every "
+        "fault and request, with times) and page-server.log",
     )
     p.add_argument(
         "--backend",

@@ -194,7 +194,8 @@ def main() -> None:
     ap.add_argument("--until", type=float, default=None, help="count faults until this second")
     a = ap.parse_args()
     rows = [r for path in a.logs for r in summarize(path, a.until)]
-    print_table(rows, list(rows[0]) if rows else ["log"])
+    # every column any row has (a process without background answers has no round trips)
+    print_table(rows, list(dict.fromkeys(k for r in rows for k in r)) or ["log"])
 
 
 if __name__ == "__main__":

@@ -88,3 +88,21 @@ def test_both_sides_of_each_round_trip_from_the_page_servers_log_beside(tmp_path
     # written to copied: 0.5, 0.1 and 2.2 ms
     assert row["to_daemon_ms"] == 0.5
     assert lazy_pages_log._server_log(log) == tmp_path / "1_files_1_page-server.log"
+
+
+def test_the_table_has_the_round_trips_when_the_first_process_has_none(tmp_path, capsys):
+    # process 1 (listed first) only faulted: no 4 MiB answers to join, so its row has
+    # fewer columns than process 7's; the table must still show the round trips
+    log = tmp_path / "1_files_1_lazy_lazy-pages.log"
+    first = (
+        "(00.400000) uffd: 1-11: #PF at 0x7000: asking for 4096 bytes\n"
+        "(00.401000) uffd: 1-11: uffd_copy: 0x7000/4096\n"
+    )
+    log.write_text(first + LOG)
+    (tmp_path / "1_files_1_lazy_page-server.log").write_text(SERVER_LOG)
+    rows = lazy_pages_log.summarize(log)
+    assert [r["pid"] for r in rows] == [1, 7] and "to_server_ms" not in rows[0]
+    sys.argv = ["lazy_pages_log.py", str(log)]
+    lazy_pages_log.main()
+    header = capsys.readouterr().out.splitlines()[0].split()
+    assert {"joined", "to_server_ms", "server_ms", "to_daemon_ms"} <= set(header)

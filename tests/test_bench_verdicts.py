@@ -32,3 +32,28 @@ def test_without_an_eager_restore_the_full_restore_is_not_compared():
         "8 GiB files lazy: click 1.70 s (goal <= 2 s) ok; full restore not compared (no eager "
         "restore of this size and storage in this run)"
     )
+
+
+def test_logs_keeps_criu_s_restore_log_of_each_restore_and_the_lazy_ones_two_more(tmp_path):
+    import asyncio
+    import os
+
+    folder, logs = tmp_path / "ckpt", tmp_path / "logs"
+    folder.mkdir()
+    (folder / "restore-20261126T100000Z.log").write_text("older restore\n")
+    (folder / "restore-20261126T110000Z.log").write_text("eager restore\n")
+    os.utime(folder / "restore-20261126T100000Z.log", (1, 1))  # the newest by time is kept
+    asyncio.run(gpu_notebook.keep_logs(logs, folder, "1_files", "eager"))
+    (folder / "restore-20261126T120000Z.log").write_text("lazy restore\n")
+    os.utime(folder / "restore-20261126T110000Z.log", (2, 2))
+    (folder / "lazy-pages.log").write_text("daemon\n")
+    (folder / "page-server.log").write_text("page server\n")
+    asyncio.run(gpu_notebook.keep_logs(logs, folder, "1_files", "lazy"))
+    asyncio.run(gpu_notebook.keep_logs(logs, folder, "1_files", "lazy"))
+    kept = {p.name: p.read_text() for p in logs.iterdir()}
+    assert kept == {
+        "1_files_1_eager_restore.log": "eager restore\n",
+        **{f"1_files_{n}_lazy_restore.log": "lazy restore\n" for n in (1, 2)},
+        **{f"1_files_{n}_lazy_lazy-pages.log": "daemon\n" for n in (1, 2)},
+        **{f"1_files_{n}_lazy_page-server.log": "page server\n" for n in (1, 2)},
+    }
