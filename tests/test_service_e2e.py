@@ -88,11 +88,14 @@ async def test_truly_idle_is_stopped_and_working_servers_are_not(hub_and_service
     # many ticks of polling later, dave's own last_activity has not moved
     assert await status_last_activity(hub, "dave") == dave_before
 
-    # the stop is recorded and counted
-    code, events = await service.api("GET", "api/events?server=alice/")
-    assert code == 200
-    kinds = [e["kind"] for e in events["events"]]
-    assert "stop" in kinds, kinds
+    # the stop is recorded and counted: once the Hub's stop call has returned to the service,
+    # which may be a moment after the Hub lists the server as stopped
+    async def stop_recorded():
+        code, events = await service.api("GET", "api/events?server=alice/")
+        assert code == 200
+        return "stop" in [e["kind"] for e in events["events"]]
+
+    await service.wait_for(stop_recorded, timeout=30, what="alice's stop to be recorded")
     code, text = await service.api("GET", "metrics")
     assert code == 200
     assert 'gpusnap_actions_total{action="stop",result="ok"} 1.0' in text
