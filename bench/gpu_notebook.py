@@ -993,23 +993,22 @@ async def keep_logs(logs: Path, folder: Path, prefix: str, mode: str) -> None:
     """--logs: copy a restore's logs from its checkpoint folder into ``logs``, numbered per
     size, storage and mode: CRIU's restore log (where the tree's restore took its time) and,
     for a lazy restore, the daemon's log (every fault and request) and the page server's."""
+    from jupyterhub_gpusnap.checkpoint.lazy import LAZY_LOG, PAGE_SERVER_LOG
+
     logs.mkdir(parents=True, exist_ok=True)
-    names = ["restore.log"]
     if mode == "lazy":
-        names += ["lazy-pages.log", "page-server.log"]
         for _ in range(100):  # copied there as the staging folder is cleared, just after
-            if (folder / "lazy-pages.log").is_file():
+            if (folder / LAZY_LOG).is_file():
                 break
             await asyncio.sleep(0.1)
     await asyncio.sleep(0.5)  # the restore log comes with the staging folder's clearing
+    found = sorted(folder.glob("restore-*.log"), key=lambda p: (p.stat().st_mtime, p.name))
+    kept = {"restore.log": found[-1]} if found else {}
+    if mode == "lazy":
+        kept.update({name: folder / name for name in (LAZY_LOG, PAGE_SERVER_LOG)})
     n = len(list(logs.glob(f"{prefix}_*_{mode}_restore.log"))) + 1
-    for name in names:
-        if name == "restore.log":
-            found = sorted(folder.glob("restore-*.log"), key=lambda p: (p.stat().st_mtime, p.name))
-            src = found[-1] if found else None
-        else:
-            src = folder / name
-        with contextlib.suppress(OSError, TypeError):
+    for name, src in kept.items():
+        with contextlib.suppress(OSError):
             shutil.copyfile(src, logs / f"{prefix}_{n}_{mode}_{name}")
 
 

@@ -67,8 +67,8 @@ def _lines(path: Path):
 
 def _server_log(path: Path) -> Path | None:
     """The page server's log beside the daemon's ``path``, if there is one."""
+    name = path.name.removesuffix(".xz").replace("lazy-pages.log", "page-server.log")
     for suffix in ("", ".xz"):
-        name = path.name.removesuffix(".xz").replace("lazy-pages.log", "page-server.log")
         other = path.with_name(name + suffix)
         if other != path and other.is_file():
             return other
