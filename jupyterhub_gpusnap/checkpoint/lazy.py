@@ -48,6 +48,7 @@ from ..metrics import REGISTRY
 from . import criu, uffd_guard
 from .base import CheckpointError
 from .chunks import ChunkStore
+from .file_pages import read_ahead_image
 from .manifest import is_pages_file, verify_image
 from .page_server import BACKGROUND, AnswerRing, PageServer
 from .page_source import ChunkPages, PageDamaged, RawPages
@@ -154,12 +155,22 @@ def _sparse(path: Path, size: int) -> None:
         os.close(fd)
 
 
-def stage(image: FilesImage | ChunksImage, dest: Path, pool: Executor, times: dict | None = None):
+def stage(
+    image: FilesImage | ChunksImage,
+    dest: Path,
+    pool: Executor,
+    times: dict | None = None,
+    *,
+    file_pages_ahead: bool = False,
+):
     """Write what ``criu restore --lazy-pages`` reads itself into ``dest``, all of it
     checked; return (pagemaps, {pages file: source}). Raises CheckpointError naming what
-    is damaged or missing. Blocking. ``times`` (if given) gets the seconds of each step:
-    ``small_s`` (the small files, copied and checked), ``pagemaps_s``, ``sources_s`` (page
-    sums loaded, chunk lists), ``eager_s`` (the eager pages read, checked and written)."""
+    is damaged or missing. Blocking. ``file_pages_ahead``: also have the kernel read ahead the
+    library pages CRIU will write into (:mod:`.file_pages`). ``times`` (if given) gets the
+    seconds of each step: ``small_s`` (the small files, copied and checked),
+    ``pagemaps_s``, ``file_pages_s`` (with ``file_pages_ahead``; ``file_pages_bytes`` how much
+    was asked for), ``sources_s`` (page sums loaded, chunk lists), ``eager_s`` (the eager
+    pages read, checked and written)."""
     times = {} if times is None else times
     t = time.monotonic()
 
@@ -181,6 +192,9 @@ def stage(image: FilesImage | ChunksImage, dest: Path, pool: Executor, times: di
     except PagemapError as e:
         raise CheckpointError(f"image is damaged: {e}") from e
     took("pagemaps_s")
+    if file_pages_ahead:
+        times["file_pages_bytes"] = read_ahead_image(dest, pagemaps)
+        took("file_pages_s")
     sources = {}
     try:
         for name in image.names():
@@ -303,6 +317,7 @@ async def restore(
     poll: float = 0.05,
     copiers: int | None = None,
     shared_bytes: int = 0,
+    file_pages_ahead: bool = False,
 ) -> LazyRestore:
     """Restore ``image`` lazily, CRIU working in ``staging`` (a new, empty, root-only
     folder the caller removes afterwards; its logs are CRIU's). Returns once the tree
@@ -311,7 +326,7 @@ async def restore(
     ``copiers``: the daemon's copier threads (:func:`.criu.start_lazy_pages`).
     ``shared_bytes``: memory shared with the daemon that the pages go through instead of
     the socket (:class:`.page_server.AnswerRing`; 0: none, nor with a CRIU without patch
-    0012).
+    0012). ``file_pages_ahead``: as :func:`stage` takes it.
 
     Raises :class:`CheckpointError` (nothing left running) when the image is damaged, has
     no page sums (files: restore eagerly then), or CRIU fails.
@@ -319,7 +334,9 @@ async def restore(
     staging = Path(staging)
     t0 = time.monotonic()
     steps: dict = {}
-    pagemaps, sources = await asyncio.to_thread(stage, image, staging, pool, steps)
+    pagemaps, sources = await asyncio.to_thread(
+        stage, image, staging, pool, steps, file_pages_ahead=file_pages_ahead
+    )
     staged_s = time.monotonic() - t0
     failed = asyncio.Event()
     ring = None

@@ -385,6 +385,17 @@ class LocalBackend(
         daemon then copies on one thread: lazy_copiers is for lazy_shared_mib = 0.""",
     ).tag(config=True)
 
+    file_pages_ahead = Bool(
+        True,
+        help="""Before CRIU restores a server, have the kernel read ahead, all at once, the
+        library pages it will write the server's own pages into (the data a process wrote
+        in its private file mappings: each such write first reads the library's page, one
+        fault at a time, from the disk when the page cache is cold). The places come from
+        the image (its memory areas, files and pagemaps); only regular files that exist
+        under the image's names are read (POSIX_FADV_WILLNEED). False: CRIU reads them as
+        it goes.""",
+    ).tag(config=True)
+
     @validate("lazy_shared_mib")
     def _check_lazy_shared_mib(self, proposal):
         value = proposal["value"]

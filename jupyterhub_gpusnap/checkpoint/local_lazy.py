@@ -135,6 +135,7 @@ class LazyRestoreMixin:
                            *self.restore_extra_args],
                     timeout=timeout, copiers=self.lazy_copiers,
                     shared_bytes=self.lazy_shared_mib << 20,
+                    file_pages_ahead=self.file_pages_ahead,
                 )  # fmt: skip
         except CheckpointError as e:
             # nothing runs: the eager restore checks the whole image and decides, as always

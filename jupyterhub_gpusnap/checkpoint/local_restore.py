@@ -19,6 +19,7 @@ from ..model import server_key
 from ..procs import boot_clock, is_alive, listen_address, port_holder, started_since, tree_pids
 from . import criu
 from .base import CheckpointError, CheckpointInfo, CheckpointRefused, Restored, RestoreTarget
+from .file_pages import read_ahead_image
 from .image_store import ImageSource, RestoreJob
 from .manifest import Manifest, verify_image
 
@@ -156,6 +157,12 @@ class LocalRestoreMixin:
         m.extra["restore_started"] = boot_clock()  # what _adopt recognises this restore by
         m.save(folder)
         t = time.monotonic()
+        # the library pages CRIU will write into, read meanwhile (file_pages_ahead)
+        ahead = (
+            asyncio.ensure_future(asyncio.to_thread(read_ahead_image, source.images))
+            if self.file_pages_ahead
+            else None
+        )
         try:
             with self._mounts_stood_in(m, key):
                 restored = await criu.restore(
@@ -181,6 +188,8 @@ class LocalRestoreMixin:
                 raise damaged(problems) from e
             raise
         phases["criu_s"] = round(time.monotonic() - t, 3)
+        if ahead is not None:
+            phases["file_pages_bytes"] = await ahead
         self.restored[restored.pid] = restored
         for p, r in list(self.restored.items()):
             if r.reap() is not None:
