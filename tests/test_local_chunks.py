@@ -82,6 +82,8 @@ async def test_encrypted_chunks_round_trip_share_and_sweep(
     phases = Manifest.load(folder).extra["restore_phases"]
     assert phases["pipe_bytes"] == 256 << 10
     assert phases["stream_waited_storage_s"] >= 0 and phases["stream_waited_criu_s"] >= 0
+    # the library pages CRIU wrote into were read ahead, placed by map files unpacked for it
+    assert phases["file_pages_bytes"] > 0
 
     # The same server suspended again: most of its memory is already stored.
     info2 = await backend.checkpoint(server_of(tree))

@@ -89,6 +89,11 @@ def _records(path: Path) -> list[bytes]:
     return out
 
 
+def is_map_file(name: str) -> bool:
+    """Whether ``name`` is one of the image files :func:`written_file_ranges` reads."""
+    return name == "files.img" or name.startswith(("mm-", "pagemap"))
+
+
 def read_files(folder: Path) -> dict[int, str]:
     """{file id: name} of the regular files in ``files.img``."""
     names = {}

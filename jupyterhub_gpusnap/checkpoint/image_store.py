@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 from . import scrub as chunk_scrub
 from .base import CheckpointError, CheckpointInfo, CheckpointRefused
 from .chunks import STORE, ChunkStore, Follower
+from .file_pages import is_map_file, read_ahead_image
 from .keys import KeyFileError
 from .manifest import (
     Manifest,
@@ -150,11 +151,23 @@ class ImageSource:
 
     ``check_pages()`` starts (once) the check of what CRIU read and returns its future:
     the problems found (empty: intact). ``streamer`` is set when CRIU reads through it.
+    ``read_file_pages()`` (blocking) reads ahead the library pages CRIU will write into
+    (``LocalBackend.file_pages_ahead``) and returns the bytes asked for: from the image
+    files in ``images``, unless the image comes through the streamer.
     """
 
     images: Path
     check_pages: Callable[[], asyncio.Future]
     streamer: ChunkStreamer | None = None
+    read_file_pages: Callable[[], int] | None = None
+
+    def file_pages(self) -> int:
+        try:
+            if self.read_file_pages is not None:
+                return self.read_file_pages()
+            return read_ahead_image(self.images)
+        except OSError:  # the restore ended and its folder went meanwhile
+            return 0
 
 
 class ImageStore:
@@ -336,6 +349,16 @@ class ChunksStore(ImageStore):
                 ) from e
             problems_after = None
 
+            def read_file_pages() -> int:
+                """The image files that place those pages, unpacked (checked) beside the
+                streamer's socket: CRIU gets the image through the streamer."""
+                where = images / "file-pages"
+                maps = {n: refs for n, refs in m.chunks.items() if is_map_file(n)}
+                where.mkdir(mode=0o700)
+                if store.unpack(m.key_id, maps, m.sizes, where):
+                    return 0  # damaged: the streamer finds it and says so
+                return read_ahead_image(where)
+
             def check_pages() -> asyncio.Future:
                 nonlocal problems_after
                 if problems_after is None:
@@ -343,7 +366,7 @@ class ChunksStore(ImageStore):
                 return problems_after
 
             try:
-                yield ImageSource(images, check_pages, streamer)
+                yield ImageSource(images, check_pages, streamer, read_file_pages)
             finally:
                 await check_pages()  # the senders have stopped before the folder goes
                 unstage(folder, images)

@@ -19,7 +19,6 @@ from ..model import server_key
 from ..procs import boot_clock, is_alive, listen_address, port_holder, started_since, tree_pids
 from . import criu
 from .base import CheckpointError, CheckpointInfo, CheckpointRefused, Restored, RestoreTarget
-from .file_pages import read_ahead_image
 from .image_store import ImageSource, RestoreJob
 from .manifest import Manifest, verify_image
 
@@ -159,7 +158,7 @@ class LocalRestoreMixin:
         t = time.monotonic()
         # the library pages CRIU will write into, read meanwhile (file_pages_ahead)
         ahead = (
-            asyncio.ensure_future(asyncio.to_thread(read_ahead_image, source.images))
+            asyncio.ensure_future(asyncio.to_thread(source.file_pages))
             if self.file_pages_ahead
             else None
         )
