@@ -19,18 +19,15 @@ files); anything else is skipped. Reading ahead never changes what is restored.
 from __future__ import annotations
 
 import os
-import re
 import stat
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from .pagemap import PAGE, Pagemap, PagemapError, read_pagemaps
+from .pagemap import PAGE, Pagemap, PagemapError, merged, read_pagemaps
+from .protobuf import fields, records
 
 VMA_FILE_PRIVATE = 1 << 6  # CRIU's vma status (criu/include/image.h)
 FD_TYPE_REG = 1  # fdinfo.proto fd_types REG
-_LEN = struct.Struct("<I")
-_MM = re.compile(r"mm-(\d+)\.img")
 
 
 @dataclass(frozen=True)
@@ -44,51 +41,6 @@ class Area:
     file_id: int
 
 
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        b = buf[i]  # IndexError on a truncated image: the caller skips the file
-        i += 1
-        value |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, i
-        shift += 7
-
-
-def _message(buf: bytes) -> list[tuple[int, int | bytes]]:
-    """A protobuf message's fields in order, ``(number, value)``: an int for varints and
-    fixed-size fields, the bytes for length-delimited ones."""
-    out: list[tuple[int, int | bytes]] = []
-    i = 0
-    while i < len(buf):
-        tag, i = _varint(buf, i)
-        number, wire = tag >> 3, tag & 7
-        if wire == 0:
-            value, i = _varint(buf, i)
-        elif wire == 2:
-            n, i = _varint(buf, i)
-            value, i = buf[i : i + n], i + n
-        elif wire == 1:
-            value, i = int.from_bytes(buf[i : i + 8], "little"), i + 8
-        elif wire == 5:
-            value, i = int.from_bytes(buf[i : i + 4], "little"), i + 4
-        else:
-            raise ValueError(f"protobuf wire type {wire} is not supported")
-        out.append((number, value))
-    return out
-
-
-def _records(path: Path) -> list[bytes]:
-    """The records of a CRIU image file (after its two magic numbers)."""
-    data = path.read_bytes()
-    out, i = [], 8
-    while i + 4 <= len(data):
-        (n,) = _LEN.unpack_from(data, i)
-        out.append(data[i + 4 : i + 4 + n])
-        i += 4 + n
-    return out
-
-
 def is_map_file(name: str) -> bool:
     """Whether ``name`` is one of the image files :func:`written_file_ranges` reads."""
     return name == "files.img" or name.startswith(("mm-", "pagemap"))
@@ -97,24 +49,24 @@ def is_map_file(name: str) -> bool:
 def read_files(folder: Path) -> dict[int, str]:
     """{file id: name} of the regular files in ``files.img``."""
     names = {}
-    for rec in _records(folder / "files.img"):
-        fields = dict(_message(rec))
-        if fields.get(1) == FD_TYPE_REG and isinstance(fields.get(3), bytes):
-            reg = dict(_message(fields[3]))
+    for rec in records((folder / "files.img").read_bytes(), "files.img"):
+        entry = dict(fields(rec))
+        if entry.get(1) == FD_TYPE_REG and isinstance(entry.get(3), bytes):
+            reg = dict(fields(entry[3]))
             name = reg.get(6)
             if isinstance(name, bytes):
-                names[fields[2]] = name.decode("utf-8", "surrogateescape")
+                names[entry[2]] = name.decode("utf-8", "surrogateescape")
     return names
 
 
 def read_areas(path: Path) -> list[Area]:
     """The private file mappings of one ``mm-<pid>.img``, in address order."""
     areas = []
-    for rec in _records(path)[:1]:
-        for number, value in _message(rec):
+    for rec in records(path.read_bytes(), path.name)[:1]:
+        for number, value in fields(rec):
             if number != 14 or not isinstance(value, bytes):  # mm_entry.vmas
                 continue
-            vma = dict(_message(value))
+            vma = dict(fields(value))
             if vma.get(7, 0) & VMA_FILE_PRIVATE:
                 areas.append(Area(vma[1], vma[2], vma[3], vma[4]))
     return sorted(areas, key=lambda a: a.start)
@@ -129,7 +81,7 @@ def written_file_ranges(
     folder = Path(folder)
     try:
         names = read_files(folder)
-    except (OSError, ValueError, IndexError, KeyError):
+    except (OSError, ValueError, KeyError):
         return {}
     out: dict[str, list[tuple[int, int]]] = {}
     for pm in pagemaps:
@@ -137,7 +89,7 @@ def written_file_ranges(
             continue
         try:
             areas = read_areas(folder / f"mm-{pm.pid}.img")
-        except (OSError, ValueError, IndexError, KeyError):
+        except (OSError, ValueError, KeyError):
             continue
         i = 0
         for run in pm.runs:  # both in address order
@@ -152,17 +104,7 @@ def written_file_ranges(
                 if name is not None and lo < hi:
                     out.setdefault(name, []).append((a.pgoff + lo - a.start, hi - lo))
                 j += 1
-    for name, ranges in out.items():
-        ranges.sort()
-        merged: list[tuple[int, int]] = []
-        for off, n in ranges:
-            if merged and merged[-1][0] + merged[-1][1] >= off:
-                last = merged[-1]
-                merged[-1] = (last[0], max(last[1], off + n - last[0]))
-            else:
-                merged.append((off, n))
-        out[name] = merged
-    return out
+    return {name: merged(ranges) for name, ranges in out.items()}
 
 
 def read_ahead(ranges: dict[str, list[tuple[int, int]]]) -> int:

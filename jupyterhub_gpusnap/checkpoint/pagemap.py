@@ -10,59 +10,27 @@ fetch on demand. Shared memory has its own ``pagemap-shmem-<id>.img``, always re
 eagerly.
 
 An image file is CRIU's two magic numbers (8 bytes), then records, each a little-endian
-``u32`` length and a protobuf message. Only what a lazy restore needs is decoded.
+``u32`` length and a protobuf message (:mod:`.protobuf`). Only what a lazy restore needs
+is decoded.
 """
 
 from __future__ import annotations
 
 import bisect
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import protobuf
+from .protobuf import varints
+
 PAGE = 4096
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
-_LEN = struct.Struct("<I")
 _TASK = re.compile(r"pagemap-(\d+)\.img")
 
 
 class PagemapError(ValueError):
     """A pagemap image that cannot be read (damaged or not CRIU's)."""
-
-
-def _varint(buf: bytes, i: int) -> tuple[int, int]:
-    shift = value = 0
-    while True:
-        if i >= len(buf):
-            raise PagemapError("truncated varint")
-        b = buf[i]
-        i += 1
-        value |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return value, i
-        shift += 7
-
-
-def _fields(msg: bytes) -> dict[int, int]:
-    """The varint fields of a protobuf message (the only kind pagemap records hold)."""
-    out: dict[int, int] = {}
-    i = 0
-    while i < len(msg):
-        tag, i = _varint(msg, i)
-        number, wire = tag >> 3, tag & 7
-        if wire == 0:
-            out[number], i = _varint(msg, i)
-        elif wire == 2:
-            n, i = _varint(msg, i)
-            i += n
-        elif wire == 1:
-            i += 8
-        elif wire == 5:
-            i += 4
-        else:
-            raise PagemapError(f"unexpected protobuf wire type {wire}")
-    return out
 
 
 @dataclass
@@ -123,20 +91,10 @@ class Pagemap:
 def read_pagemap(path: Path | str) -> Pagemap:
     """Parse one ``pagemap*.img``."""
     path = Path(path)
-    data = path.read_bytes()
-    if len(data) < 8:
-        raise PagemapError(f"{path.name}: too short for a CRIU image")
-    i = 8
-    records = []
-    while i < len(data):
-        if i + 4 > len(data):
-            raise PagemapError(f"{path.name}: truncated record at byte {i}")
-        (n,) = _LEN.unpack_from(data, i)
-        i += 4
-        if i + n > len(data):
-            raise PagemapError(f"{path.name}: truncated record at byte {i}")
-        records.append(_fields(data[i : i + n]))
-        i += n
+    try:
+        records = [varints(rec) for rec in protobuf.records(path.read_bytes(), path.name)]
+    except protobuf.ProtobufError as e:
+        raise PagemapError(f"{path.name}: {e}") from e
     if not records or 1 not in records[0]:
         raise PagemapError(f"{path.name}: no pagemap head")
     m = _TASK.fullmatch(path.name)
@@ -168,16 +126,18 @@ def eager_ranges(pagemaps: list[Pagemap]) -> dict[str, list[tuple[int, int]]]:
         for run in pm.runs:
             if pm.pid is None or not run.lazy:
                 ranges.append((run.offset, run.nr_pages * PAGE))
-    for name, ranges in out.items():
-        ranges.sort()
-        merged: list[tuple[int, int]] = []
-        for off, n in ranges:
-            if merged and merged[-1][0] + merged[-1][1] >= off:
-                last = merged[-1]
-                merged[-1] = (last[0], max(last[1], off + n - last[0]))
-            else:
-                merged.append((off, n))
-        out[name] = merged
+    return {name: merged(ranges) for name, ranges in out.items()}
+
+
+def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[(offset, length), …]`` sorted, overlapping or touching ones joined."""
+    out: list[tuple[int, int]] = []
+    for off, n in sorted(ranges):
+        if out and out[-1][0] + out[-1][1] >= off:
+            last = out[-1]
+            out[-1] = (last[0], max(last[1], off + n - last[0]))
+        else:
+            out.append((off, n))
     return out
 
 

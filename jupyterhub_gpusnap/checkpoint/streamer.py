@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 from .chunks import ChunkStore
+from .protobuf import fields, varint
 
 SOCKET_NAME = "streamer-serve.sock"
 F_SETPIPE_SZ, F_GETPIPE_SZ = 1031, 1032
@@ -45,54 +46,17 @@ PIPE_BYTES = 16 << 20  # what LocalBackend.restore_pipe_bytes asks for by defaul
 _LEN = struct.Struct("<I")
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
 def parse_request(msg: bytes) -> str:
     """``img_streamer_request_entry``'s ``filename`` (field 1, a string)."""
-    i, name = 0, None
-    while i < len(msg):
-        tag, i = _read_varint(msg, i)
-        field, wire = tag >> 3, tag & 7
-        if wire == 2:
-            n, i = _read_varint(msg, i)
-            if field == 1:
-                name = msg[i : i + n].decode()
-            i += n
-        elif wire == 0:
-            _, i = _read_varint(msg, i)
-        else:
-            raise ValueError(f"unexpected protobuf wire type {wire} in a streamer request")
-    if name is None:
+    names = [v for n, v in fields(msg) if n == 1 and isinstance(v, bytes)]
+    if not names:
         raise ValueError("streamer request without a filename")
-    return name
-
-
-def _read_varint(msg: bytes, i: int) -> tuple[int, int]:
-    n = shift = 0
-    while True:
-        if i >= len(msg):
-            raise ValueError("truncated varint in a streamer request")
-        b = msg[i]
-        i += 1
-        n |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return n, i
-        shift += 7
+    return names[-1].decode()
 
 
 def reply(exists: bool) -> bytes:
     """A length-prefixed ``img_streamer_reply_entry`` (field 1, a bool)."""
-    body = b"\x08" + _varint(int(exists))
+    body = b"\x08" + varint(int(exists))
     return _LEN.pack(len(body)) + body
 
 
