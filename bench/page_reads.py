@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import print_table, write_json  # noqa: E402
 
+from jupyterhub_gpusnap.checkpoint.manifest import drop_file_cached  # noqa: E402
 from jupyterhub_gpusnap.checkpoint.page_server import AHEAD  # noqa: E402
 from jupyterhub_gpusnap.checkpoint.page_source import RawPages  # noqa: E402
 from jupyterhub_gpusnap.checkpoint.page_sums import load_sums, write_sums  # noqa: E402
@@ -64,15 +65,6 @@ def make_pages(folder: Path, size: int, pool) -> Path:
     if problems:
         raise SystemExit(f"page sums not written: {problems}")
     return path
-
-
-def drop_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def read_sequential(path: Path) -> int:
@@ -125,7 +117,7 @@ def measure(path: Path, restores: int, pools: dict[int, ThreadPoolExecutor]) -> 
     for _ in range(restores):
         for i, (name, _, read, cold) in enumerate(runs):  # alternating: a slow spell hits all
             if cold:
-                drop_cache(path)
+                drop_file_cached(path)
             else:
                 read_sequential(path)  # into the page cache
             t = time.perf_counter()

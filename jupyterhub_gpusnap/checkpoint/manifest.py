@@ -269,12 +269,17 @@ def seal_image(
 def drop_cached(folder: Path | str) -> None:
     """Drop the (clean, fsync'ed) image files from the page cache: the next read is the disk's."""
     for path in image_files(folder):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_file_cached(path)
+
+
+def drop_file_cached(path: Path | str) -> None:
+    """Write ``path`` out and drop it from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def verify_image(
