@@ -32,7 +32,8 @@ markers=('rlimit %d from /proc/%d/limits' '#PF at 0x%llx: asking for %llu bytes,
   'dropping %llu bytes of ranges at %llx' 'remap: %d requests in flight asked for again at the new place'
   'copy refused while the memory map changed' 'copier: %d events read while waiting for a buffer'
   'lazy-pages: answers in shared memory of %lu bytes'
-  'lazy-pages: slept %lu times while nothing was to ask for')
+  'lazy-pages: slept %lu times while nothing was to ask for'
+  'lazy-pages: following a forked process')
 have=$(criu --version 2>/dev/null | awk '/^Version:/{print $2}' || true)
 patched() {
   local m

@@ -459,7 +459,8 @@ def limits_unreadable(pids: list[int], criu: str = "") -> str:
 #: lazy restore is slow (0002-0005, 0007) or wrong: a process that moves or gives back
 #: memory while its pages arrive never finishes (0008) or reads zero-filled pages at the
 #: new place (0009); a stack page left lazy (0006); pages sent twice while a process
-#: changes its memory map (0010).
+#: changes its memory map (0010); a child forked while an answer was copied left unserved,
+#: reading zero-filled pages once the parent's were in (0014).
 LAZY_PATCHES = {
     "0002-lazy-pages-larger-transfers": "#PF at 0x%llx: asking for %llu bytes, background stays at %lu",
     "0003-lazy-pages-pipelined-transfer": "background: %lu pages at 0x%lx, up to %d requests in flight",
@@ -470,6 +471,7 @@ LAZY_PATCHES = {
     "0008-lazy-pages-drop-unmapped-ranges": "dropping %llu bytes of ranges at %llx",
     "0009-lazy-pages-remap-requests-in-flight": "remap: %d requests in flight asked for again at the new place",
     "0010-lazy-pages-copy-again-after-map-change": "copy refused while the memory map changed",
+    "0014-lazy-pages-follow-forks-read-while-copying": "lazy-pages: following a forked process",
 }  # fmt: skip
 
 # Copier threads (LocalBackend.lazy_copiers): a speed-up, not needed for a lazy restore
