@@ -24,19 +24,10 @@ from jupyterhub_gpusnap.checkpoint.file_pages import (
     written_file_ranges,
 )
 from jupyterhub_gpusnap.checkpoint.pagemap import PAGE, PE_LAZY, PE_PRESENT, read_pagemaps
+from jupyterhub_gpusnap.checkpoint.protobuf import varint
 
 
 # ------------------------------------------------------------ a CRIU image, written by hand
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        out.append(b | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def field(number: int, value: int | bytes) -> bytes:
     if isinstance(value, bytes):
         return varint(number << 3 | 2) + varint(len(value)) + value

@@ -1177,14 +1177,7 @@ async def test_a_users_sandboxed_server_restores_lazily(tmp_path, staging, pool,
 
 def _record(fields: dict[int, int]) -> bytes:
     """A protobuf message of varint fields, as CRIU writes a record (u32 length first)."""
-
-    def varint(n: int) -> bytes:
-        out = bytearray()
-        while True:
-            b, n = n & 0x7F, n >> 7
-            out.append(b | (0x80 if n else 0))
-            if not n:
-                return bytes(out)
+    from jupyterhub_gpusnap.checkpoint.protobuf import varint
 
     msg = b"".join(varint(k << 3) + varint(v) for k, v in fields.items())
     return len(msg).to_bytes(4, "little") + msg

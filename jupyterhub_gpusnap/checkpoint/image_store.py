@@ -162,12 +162,9 @@ class ImageSource:
     read_file_pages: Callable[[], int] | None = None
 
     def file_pages(self) -> int:
-        try:
-            if self.read_file_pages is not None:
-                return self.read_file_pages()
-            return read_ahead_image(self.images)
-        except OSError:  # the restore ended and its folder went meanwhile
-            return 0
+        if self.read_file_pages is not None:
+            return self.read_file_pages()
+        return read_ahead_image(self.images)
 
 
 class ImageStore:
@@ -354,9 +351,12 @@ class ChunksStore(ImageStore):
                 streamer's socket: CRIU gets the image through the streamer."""
                 where = images / "file-pages"
                 maps = {n: refs for n, refs in m.chunks.items() if is_map_file(n)}
-                where.mkdir(mode=0o700)
-                if store.unpack(m.key_id, maps, m.sizes, where):
-                    return 0  # damaged: the streamer finds it and says so
+                try:
+                    where.mkdir(mode=0o700)
+                    if store.unpack(m.key_id, maps, m.sizes, where):
+                        return 0  # damaged: the streamer finds it and says so
+                except OSError:  # the restore ended and its folder went meanwhile
+                    return 0
                 return read_ahead_image(where)
 
             def check_pages() -> asyncio.Future:
