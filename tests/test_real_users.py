@@ -95,7 +95,11 @@ async def test_users_servers_run_as_themselves_and_come_back_as_themselves(
     await hub.start_server(alice.pw_name)
     kid2, out = await hub.execute(alice.pw_name, "print(x, os.getuid())", kernel_id=kid)
     assert kid2 == kid and out.split() == ["42", str(alice.pw_uid)]
-    assert Manifest.load(backend.folder(info.id)).status == "restored"
+    m = Manifest.load(backend.folder(info.id))
+    assert m.status == "restored"
+    # the libraries her server wrote into were found from its image and read ahead
+    # (LocalBackend.file_pages_ahead), under the names her sandboxed server saw
+    assert m.extra["restore_phases"]["file_pages_bytes"] > 0, m.extra["restore_phases"]
     restored = psutil.Process((await hub.get_server(alice.pw_name))["state"]["pid"])
     assert restored.children()[0].uids().real == alice.pw_uid  # still her, not root
     secret_file = backend.folder(info.id) / "manifest.json"
@@ -153,5 +157,6 @@ async def test_a_users_large_server_restores_lazily_through_the_hub_as_themselve
     phases = Manifest.load(backend.folder(info.id)).extra["restore_phases"]
     assert phases["mode"] == "lazy" and phases["lazy_shared_bytes"] == 64 << 20, phases
     assert phases["lazy_bytes"] >= 128 << 20
+    assert phases["lazy_staging"]["file_pages_bytes"] > 0, phases  # read ahead in the staging
     restored = psutil.Process((await hub.get_server(alice.pw_name))["state"]["pid"])
     assert restored.children()[0].uids().real == alice.pw_uid
