@@ -363,6 +363,45 @@ async def test_the_tree_answers_before_its_memory_is_back_and_the_memory_is_inta
     assert is_alive(lr.pid)
 
 
+#: The holder with 96 MiB more in a mapping of its own, as a GPU process's host copy of its
+#: device memory often is: zero-filled (written, so its pages are in the image), with 64 KiB
+#: of distinct bytes every 512 KiB; ``zhash`` hashes it.
+ZEROS_HOLDER = HOLDER.replace(
+    "digest = hashlib",
+    """import mmap
+zeros = mmap.mmap(-1, 96 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+for i in range(0, 96 << 20, 64 << 10):
+    zeros[i : i + (64 << 10)] = (i.to_bytes(4, "little") * (16 << 10)) if i // (64 << 10) % 8 == 0 else bytes(64 << 10)
+zdigest = hashlib.sha256(zeros).hexdigest()
+digest = hashlib""",
+).replace(
+    """    elif cmd[0] == "peek":""",
+    """    elif cmd[0] == "zhash":
+        reply["zeros"] = hashlib.sha256(zeros).hexdigest()
+        reply["zdigest"] = zdigest
+    elif cmd[0] == "peek":""",
+)
+
+
+async def test_zero_filled_memory_is_served_unread_and_arrives_intact(
+    tmp_path, process_tree, staging, pool
+):
+    """Blocks whose page sum is that of zero bytes (a GPU process's image holds plenty of
+    zero-filled buffers) are not read from the image: their content is known. The
+    process gets them zero-filled, the blocks between them as they were, and every page
+    is served."""
+    lr, tree, before = await lazily_restored(tmp_path, process_tree, staging, pool, ZEROS_HOLDER)
+    got = await ask(tree.port, "zhash")
+    assert got["zeros"] == got["zdigest"], "the zero-filled mapping came back other bytes"
+    stats = await asyncio.wait_for(lr.done, 120)
+    assert lr.daemon.returncode == 0 and stats["served_bytes"] == lr.lazy_bytes
+    # 84 of the 96 MiB are zero-filled, in runs of 448 KiB; the page sums' 64 KiB blocks lie
+    # at the pages file's offsets, not the process's addresses, so six of each run's seven
+    # are zero at least
+    assert stats["zero_bytes"] >= 72 << 20, f"{stats['zero_bytes'] >> 20} MiB served unread"
+    assert (await ask(tree.port, "hash"))["now"] == before["digest"]
+
+
 async def test_memory_a_process_unmaps_before_it_came_is_let_go(
     tmp_path, process_tree, staging, pool
 ):

@@ -11,6 +11,8 @@ import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from jupyterhub_gpusnap.checkpoint.chunks import ChunkStore
 from jupyterhub_gpusnap.checkpoint.page_server import (
     AHEAD,
@@ -21,8 +23,8 @@ from jupyterhub_gpusnap.checkpoint.page_server import (
     PS_IOV_GET,
     PageServer,
 )
-from jupyterhub_gpusnap.checkpoint.page_source import ChunkPages, RawPages
-from jupyterhub_gpusnap.checkpoint.page_sums import load_sums, write_sums
+from jupyterhub_gpusnap.checkpoint.page_source import ChunkPages, PageDamaged, RawPages
+from jupyterhub_gpusnap.checkpoint.page_sums import BLOCK, load_sums, write_sums
 from jupyterhub_gpusnap.checkpoint.pagemap import PAGE, Pagemap, Run
 
 
@@ -80,6 +82,42 @@ def test_raw_segments_read_ahead_stay_until_asked_for(tmp_path):
     reader = ThreadPoolExecutor(4)
     source = _raw_image(tmp_path, (AHEAD >> 20) + 8, reader)
     assert _checked_ahead(source, reader) == AHEAD
+
+
+def test_blocks_whose_sum_is_that_of_zeros_are_not_read(tmp_path):
+    # A GPU process's image holds plenty of zero-filled buffers; an eager restore reads
+    # them from the disk. A block whose checksum is that of zero bytes has a known content:
+    # the page source serves it without reading it. Segment 0: all zero; segment 1: zero
+    # and random blocks in turn; segment 2: random; then a short zero block at the end.
+    block, seg = BLOCK, 1 << 20
+    mixed = b"".join(os.urandom(block) if i % 2 else bytes(block) for i in range(seg // block))
+    content = bytes(seg) + mixed + os.urandom(seg) + bytes(4096)
+    image = tmp_path / "pages-1.img"
+    image.write_bytes(content)
+    pool = ThreadPoolExecutor(2)
+    write_sums(tmp_path, [image.name], pool, expected=None)
+    sums = load_sums(tmp_path, image.name, len(content))
+    zero = [i for i, z in enumerate(sums.zero) if z]
+    assert zero == [*range(16), *range(16, 32, 2), 48], "the zero blocks, the short one too"
+    # damage every zero block on the disk: none of them is read, so each still reads zeros
+    with open(image, "r+b") as f:
+        for i in zero:
+            f.seek(i * block + 7)
+            f.write(b"\xff")
+    source = RawPages(image, sums, pool)
+    got = b"".join(bytes(v) for v in source.read(0, len(content)))
+    assert got == content
+    assert source.zero_bytes == 16 * block + 8 * block + 4096
+    source.close()
+    # a damaged byte in a block that is read is found as before
+    with open(image, "r+b") as f:
+        f.seek(seg + block + 5)  # block 17: random
+        f.write(bytes([content[seg + block + 5] ^ 1]))
+    source = RawPages(image, sums, pool)
+    with pytest.raises(PageDamaged, match=f"block at offset {seg + block} "):
+        source.read(seg, seg)
+    source.close()
+    pool.shutdown()
 
 
 async def test_the_transfer_reads_ahead_across_runs_of_pages(tmp_path):

@@ -6,6 +6,8 @@ starts checking what comes next in the pool):
 :class:`RawPages`
     A ``pages-*.img`` kept as a file, checked against its :mod:`.page_sums` list in
     segments of 1 MiB (16 blocks of 64 KiB): a fault costs one segment's read and hash.
+    A block whose checksum is that of zero bytes is not read: its content is known (a GPU
+    process's image holds plenty of zero-filled buffers, which an eager restore reads).
 :class:`ChunkPages`
     A pages file kept in the chunk store: each chunk is read, opened, decompressed and
     checked against its id (:meth:`.ChunkStore.get`, which also repairs it from a
@@ -168,17 +170,54 @@ class RawPages(_Segmented):
             raise PageDamaged(f"{self.name}: {size} bytes, its page checksums describe {sums.size}")
         self.size = size
         self.starts = list(range(0, size, self.segment)) or [0]
+        self.zero_bytes = 0  # bytes served as zeros without reading them (their checksum says so)
 
-    def _load(self, i: int) -> bytes:
+    def _runs(self, i: int) -> list[tuple[int, int]]:
+        """Segment ``i``'s blocks that must be read, as ``[(offset, length), …]`` runs:
+        those whose checksum is not that of zero bytes (:attr:`.PageSums.zero`)."""
+        block, zero = self.sums.block, self.sums.zero
+        start = self.starts[i]
+        end = min(start + self.segment, self.size)
+        runs: list[tuple[int, int]] = []
+        for b in range(start // block, -(-end // block)):
+            if zero[b]:
+                continue
+            off = b * block
+            n = min(block, end - off)
+            if runs and runs[-1][0] + runs[-1][1] == off:
+                runs[-1] = (runs[-1][0], runs[-1][1] + n)
+            else:
+                runs.append((off, n))
+        return runs
+
+    def _load(self, i: int) -> bytes | bytearray:
         start = self.starts[i]
         n = min(self.segment, self.size - start)
+        runs = self._runs(i)
+        if runs == [(start, n)]:  # nothing known to be zero: one read
+            data = self._pread(start, n)
+            self._check(start, data)
+            return data
+        data = bytearray(n)  # zero-filled: the blocks known to be zero stay so, unread
+        for off, length in runs:
+            piece = self._pread(off, length)
+            self._check(off, piece)
+            data[off - start : off - start + length] = piece
+        with self._lock:
+            self.zero_bytes += n - sum(length for _, length in runs)
+        return data
+
+    def _pread(self, offset: int, n: int) -> bytes:
         try:
-            data = os.pread(self.fd, n, start)
+            data = os.pread(self.fd, n, offset)
         except OSError as e:
-            raise PageDamaged(f"{self.name}: cannot read bytes {start}-{start + n}: {e}") from e
+            raise PageDamaged(f"{self.name}: cannot read bytes {offset}-{offset + n}: {e}") from e
         if len(data) != n:
-            raise PageDamaged(f"{self.name}: short read at {start} ({len(data)} of {n} bytes)")
-        bad = self.sums.check(start, data)
+            raise PageDamaged(f"{self.name}: short read at {offset} ({len(data)} of {n} bytes)")
+        return data
+
+    def _check(self, offset: int, data: bytes) -> None:
+        bad = self.sums.check(offset, data)
         if bad is not None:
             block = self.sums.block
             raise PageDamaged(
@@ -186,13 +225,13 @@ class RawPages(_Segmented):
                 f"{bad // 4096}-{(bad + block) // 4096 - 1} of the file) does not match its "
                 "checksum (damaged)"
             )
-        return data
 
     def _hint(self, i: int) -> None:
-        try:
-            os.posix_fadvise(self.fd, self.starts[i], self.segment, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
+        for off, n in self._runs(i):
+            try:
+                os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                return
 
     def close(self) -> None:
         super().close()

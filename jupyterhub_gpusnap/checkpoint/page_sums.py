@@ -113,13 +113,22 @@ def write_sums(
 
 
 class PageSums:
-    """A loaded, self-checked checksum list of one pages file."""
+    """A loaded, self-checked checksum list of one pages file.
+
+    ``zero``: for each block, whether its checksum is that of zero bytes, so that its
+    content is known without reading it (a GPU process's image holds plenty of zero-filled
+    buffers; sha256 leaves no other content with that checksum)."""
 
     def __init__(self, name: str, block: int, size: int, digests: bytes):
         self.name = name
         self.block = block
         self.size = size
         self.digests = digests
+        n = len(digests) // 32
+        full = hashlib.sha256(bytes(block)).digest()
+        self.zero = [digests[32 * i : 32 * i + 32] == full for i in range(n)]
+        if n and size % block:  # the last block is short
+            self.zero[-1] = digests[-32:] == hashlib.sha256(bytes(size % block)).digest()
 
     def check(self, offset: int, data) -> int | None:
         """The offset of the first block of ``data`` (read from block-aligned ``offset``)
