@@ -35,9 +35,11 @@ the daemon's log and the page server's of the last lazy restore of each storage 
 setting (``python bench/lazy_pages_log.py DIR/*lazy-pages.log`` reads them, each with the
 page server's beside it).
 ``--repeated F``: the last part F of the data is one byte over and over, like the zero-filled
-buffers of a GPU process; the chunk store cuts it into its smallest chunks.
+buffers of a GPU process; the chunk store cuts it into its smallest chunks. ``--zeros F``: the
+part F before it is zero bytes (written, so its pages are in the image), which a lazy restore
+from files serves without reading (``zero_mib``: how much).
 
-Usage: ``python bench/lazy_restore.py [--gib 0.2 1 2] [--restores N] [--warm] [--repeated F]
+Usage: ``python bench/lazy_restore.py [--gib 0.2 1 2] [--restores N] [--warm] [--repeated F] [--zeros F]
 [--copiers N ...] [--shared MIB ...] [--logs DIR] [--name NAME]``
 → bench/results/lazy_restore.json (or NAME.json; ``--warm``: the image is left in the page
 cache, which separates reading the disk from the rest). Needs root, CRIU >= 4.2 and
@@ -73,7 +75,7 @@ from jupyterhub_gpusnap.model import Server
 COLUMNS = [
     "gib", "storage", "mode", "copiers", "shared_mib", "answer_s", "answer_min_s", "answer_max_s", "all_in_s",
     "all_in_ratio", "intact", "suspend_s", "sums_s", "served_mib", "requests", "fault_requests",
-    "staged_s", "running_s", "read_wait_s", "send_wait_s", "idle_wait_s", "put_s",
+    "zero_mib", "staged_s", "running_s", "read_wait_s", "send_wait_s", "idle_wait_s", "put_s",
     "background_answer_p50_ms",
 ]  # fmt: skip
 
@@ -81,10 +83,16 @@ HOLDER = r"""
 import hashlib, json, os, socket, sys
 port, n = int(sys.argv[1]), int(float(sys.argv[2]) * (1 << 30))
 same = int(n * float(sys.argv[3]))  # the last part: one byte over and over
+zeros = int(n * float(sys.argv[4]))  # the part before it: zero bytes (written: in the image)
 data = bytearray(n)
 for i in range(0, n, 64 << 20):
     k = min(64 << 20, n - i)
-    data[i : i + k] = os.urandom(k) if i < n - same else b"\1" * k
+    if i >= n - same:
+        data[i : i + k] = b"\1" * k
+    elif i >= n - same - zeros:
+        data[i : i + k] = bytes(k)
+    else:
+        data[i : i + k] = os.urandom(k)
 digest = hashlib.sha256(data).hexdigest()
 s = socket.socket()
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -135,11 +143,11 @@ async def answer(port: int, timeout: float = 600) -> dict:
 class Holder:
     """The process: ``unshare --pid --fork`` → the holder (its namespace's init)."""
 
-    def __init__(self, gib: float, repeated: float = 0.0):
+    def __init__(self, gib: float, repeated: float = 0.0, zeros: float = 0.0):
         self.port = free_port()
         self.proc = subprocess.Popen(
             ["unshare", "--pid", "--fork", "setsid", sys.executable, "-c", HOLDER,
-             str(self.port), str(gib), str(repeated)],
+             str(self.port), str(gib), str(repeated), str(zeros)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         import psutil
@@ -224,6 +232,7 @@ async def restore_lazy(
     return {"answer_s": answered, "all_in_s": all_in, "now": now,
             "served_mib": round(stats["served_bytes"] / 2**20, 1),
             "requests": stats["requests"], "fault_requests": stats["fault_requests"],
+            "zero_mib": round(stats.get("zero_bytes", 0) / 2**20, 1),
             # where the time went: staging, the tree's restore, then the page server's
             # waits while the memory came (read: reading and checking; send: the daemon had
             # not taken the last answer; idle: nothing asked for)
@@ -241,7 +250,7 @@ async def run(sizes: list[float], restores: int, root: Path) -> list[dict]:
                 min_free_bytes=0,
                 restore_mode="eager",
             )
-            h = Holder(gib, REPEATED)
+            h = Holder(gib, REPEATED, ZEROS)
             before = (await ask(h.port, "hash"))["digest"]
             t = time.monotonic()
             info = await backend.checkpoint(Server(user="bench", name="", state={"pid": h.pid}))
@@ -291,6 +300,7 @@ async def run(sizes: list[float], restores: int, root: Path) -> list[dict]:
                     "served_mib": got[-1].get("served_mib"),
                     "requests": got[-1].get("requests"),
                     "fault_requests": got[-1].get("fault_requests"),
+                    "zero_mib": got[-1].get("zero_mib"),
                     **{k: round(statistics.median(r[k] for r in got), 3) if mode == "lazy"
                        else None for k in PHASES},
                 })  # fmt: skip
@@ -308,10 +318,11 @@ SHARED: list = [0]  # --shared: MiB of memory the pages go through instead of th
 COPIERS: list = [None]  # --copiers: the lazy restores' copier threads (None: CRIU's default)
 WARM = False  # --warm: the image stays in the page cache (separates the disk from the rest)
 REPEATED = 0.0  # --repeated: the part of the data that is one byte over and over
+ZEROS = 0.0  # --zeros: the part of the data (before the repeated part) that is zero bytes
 
 
 def main() -> None:
-    global WARM, REPEATED, COPIERS, LOGS, SHARED
+    global WARM, REPEATED, COPIERS, LOGS, SHARED, ZEROS
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, nargs="+", default=[0.2, 1, 2])
     ap.add_argument("--restores", type=int, default=1)
@@ -327,8 +338,12 @@ def main() -> None:
     ap.add_argument("--shared", type=int, nargs="+", default=[0],
                     help="lazy restores with the pages going through this many MiB of shared "
                     "memory (0: the socket; CRIU patch 0012)")  # fmt: skip
+    ap.add_argument("--zeros", type=float, default=0.0,
+                    help="the part of the data (0-1, before the --repeated part) that is zero "
+                    "bytes, like a GPU process's zero-filled buffers: a lazy restore from files "
+                    "serves it without reading it")  # fmt: skip
     args = ap.parse_args()
-    SHARED = args.shared
+    SHARED, ZEROS = args.shared, args.zeros
     WARM, REPEATED, COPIERS = args.warm, args.repeated, args.copiers
     LOGS = Path(args.logs) if args.logs else None
     root = Path(args.dir or tempfile.mkdtemp(prefix="gpusnap-bench-lazy-", dir="/var/tmp"))
@@ -340,7 +355,7 @@ def main() -> None:
             shutil.rmtree(root, ignore_errors=True)
     table = print_table(rows, COLUMNS)
     write_json(args.name, rows, restores=args.restores, warm=WARM, repeated=REPEATED,
-               copiers=COPIERS, shared=SHARED, table=table)  # fmt: skip
+               copiers=COPIERS, shared=SHARED, zeros=ZEROS, table=table)  # fmt: skip
 
 
 if __name__ == "__main__":
