@@ -469,7 +469,7 @@ async def _watch(lazy: LazyRestore, failed: asyncio.Event, stop_all, poll: float
             read_s=round(server.read_s, 3),
             background_requests=server.asked[BACKGROUND],
             background_from_memory=server.from_memory,
-            zero_bytes=sum(getattr(s, "zero_bytes", 0) for s in server.sources.values()),
+            zero_bytes=sum(s.zero_bytes for s in server.sources.values()),
             put_s=round(server.put_s, 3),
             **_quantiles_ms("background_answer", server.background_answer_s),
             **{f"{k}_wait_s": round(v, 3) for k, v in server.waited.items()},

@@ -43,11 +43,13 @@ class PageDamaged(ValueError):
 
 
 class _Segmented:
-    """A file in checked segments: ``starts`` (offsets), ``size``, ``_load(i)``."""
+    """A file in checked segments: ``starts`` (offsets), ``size``, ``_load(i)``;
+    ``zero_bytes``, what was served without reading it."""
 
     name: str
     size: int
     starts: list[int]
+    zero_bytes = 0  # bytes served as zeros without reading them (RawPages: their checksum says so)
 
     def __init__(self, pool: Executor, keep: int):
         self.pool = pool
@@ -170,7 +172,6 @@ class RawPages(_Segmented):
             raise PageDamaged(f"{self.name}: {size} bytes, its page checksums describe {sums.size}")
         self.size = size
         self.starts = list(range(0, size, self.segment)) or [0]
-        self.zero_bytes = 0  # bytes served as zeros without reading them (their checksum says so)
 
     def _runs(self, i: int) -> list[tuple[int, int]]:
         """Segment ``i``'s blocks that must be read, as ``[(offset, length), …]`` runs:
@@ -178,9 +179,11 @@ class RawPages(_Segmented):
         block, zero = self.sums.block, self.sums.zero
         start = self.starts[i]
         end = min(start + self.segment, self.size)
+        if not zero:
+            return [(start, end - start)]
         runs: list[tuple[int, int]] = []
         for b in range(start // block, -(-end // block)):
-            if zero[b]:
+            if b in zero:
                 continue
             off = b * block
             n = min(block, end - off)

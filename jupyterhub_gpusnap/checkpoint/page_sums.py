@@ -112,23 +112,38 @@ def write_sums(
     return problems
 
 
+def _zero_blocks(digests: bytes, block: int, size: int) -> frozenset[int]:
+    """The indices of the blocks whose digest is that of zero bytes (the last block may be
+    short). Found with ``bytes.find``: a restore loads the sums before CRIU starts, and a
+    loop over every digest took 0.1 s at 24 GiB."""
+    out = set()
+    full = hashlib.sha256(bytes(block)).digest()
+    i = digests.find(full)
+    while i >= 0:
+        if i % 32 == 0:
+            out.add(i // 32)
+        i = digests.find(full, i + 1)
+    n = len(digests) // 32
+    if n and size % block:  # the last block is short: its digest is that of fewer zeros
+        out.discard(n - 1)
+        if digests[-32:] == hashlib.sha256(bytes(size % block)).digest():
+            out.add(n - 1)
+    return frozenset(out)
+
+
 class PageSums:
     """A loaded, self-checked checksum list of one pages file.
 
-    ``zero``: for each block, whether its checksum is that of zero bytes, so that its
-    content is known without reading it (a GPU process's image holds plenty of zero-filled
-    buffers; sha256 leaves no other content with that checksum)."""
+    ``zero``: the blocks whose checksum is that of zero bytes, so that their content is
+    known without reading them (a GPU process's image holds plenty of zero-filled buffers;
+    sha256 leaves no other content with that checksum)."""
 
     def __init__(self, name: str, block: int, size: int, digests: bytes):
         self.name = name
         self.block = block
         self.size = size
         self.digests = digests
-        n = len(digests) // 32
-        full = hashlib.sha256(bytes(block)).digest()
-        self.zero = [digests[32 * i : 32 * i + 32] == full for i in range(n)]
-        if n and size % block:  # the last block is short
-            self.zero[-1] = digests[-32:] == hashlib.sha256(bytes(size % block)).digest()
+        self.zero = _zero_blocks(digests, block, size)
 
     def check(self, offset: int, data) -> int | None:
         """The offset of the first block of ``data`` (read from block-aligned ``offset``)
