@@ -14,6 +14,7 @@ on the CRIU that .ci/install-criu.sh builds, which reads them from /proc/<pid>/l
 
 from __future__ import annotations
 
+import asyncio
 import stat
 from pathlib import Path
 
@@ -138,7 +139,8 @@ async def test_a_users_large_server_restores_lazily_through_the_hub_as_themselve
     backend = LocalBackend(checkpoint_dir=str(ckpt), min_free_bytes=0, restore_mode="lazy")
 
     await hub.start_server(alice.pw_name)
-    hold = ("import hashlib, os\ndata = os.urandom(128 << 20)\n"
+    # ``zeros``: a zero-filled buffer (written, so in the image), as GPU processes hold
+    hold = ("import hashlib, os\ndata = os.urandom(128 << 20)\nzeros = b'\\0' * (64 << 20)\n"
             "h = hashlib.sha256(data).hexdigest()\nx = 42\nprint(os.getuid())")  # fmt: skip
     kid, out = await hub.execute(alice.pw_name, hold)
     assert out.split() == [str(alice.pw_uid)]
@@ -151,12 +153,19 @@ async def test_a_users_large_server_restores_lazily_through_the_hub_as_themselve
     assert not processes_of(alice.pw_uid)
 
     await hub.start_server(alice.pw_name)
-    check = "print(x, os.getuid(), hashlib.sha256(data).hexdigest() == h)"
+    check = "print(x, os.getuid(), hashlib.sha256(data).hexdigest() == h, zeros.count(0))"
     kid2, out = await hub.execute(alice.pw_name, check, kernel_id=kid)
-    assert kid2 == kid and out.split() == ["42", str(alice.pw_uid), "True"], out
+    assert kid2 == kid and out.split() == ["42", str(alice.pw_uid), "True", str(64 << 20)], out
     phases = Manifest.load(backend.folder(info.id)).extra["restore_phases"]
     assert phases["mode"] == "lazy" and phases["lazy_shared_bytes"] == 64 << 20, phases
     assert phases["lazy_bytes"] >= 128 << 20
     assert phases["lazy_staging"]["file_pages_bytes"] > 0, phases  # read ahead in the staging
+    # the zero-filled blocks were served without reading them, once every page was in
+    for _ in range(300):
+        phases = Manifest.load(backend.folder(info.id)).extra["restore_phases"]
+        if "lazy_zero_bytes" in phases:
+            break
+        await asyncio.sleep(0.1)
+    assert phases.get("lazy_zero_bytes", 0) >= 32 << 20, phases
     restored = psutil.Process((await hub.get_server(alice.pw_name))["state"]["pid"])
     assert restored.children()[0].uids().real == alice.pw_uid
