@@ -402,6 +402,53 @@ async def test_zero_filled_memory_is_served_unread_and_arrives_intact(
     assert (await ask(tree.port, "hash"))["now"] == before["digest"]
 
 
+#: ZEROS_HOLDER with a child forked after the zero-filled mapping was written: the parent
+#: then fills its zero blocks, the child keeps them zero-filled. ``zhash`` also answers the
+#: child's hash of its copy (``kid``) and what the parent's should be (``pdigest``).
+FORKED_ZEROS_HOLDER = ZEROS_HOLDER.replace(
+    "zdigest = hashlib.sha256(zeros).hexdigest()\n",
+    """zdigest = hashlib.sha256(zeros).hexdigest()
+kr, pw = os.pipe()
+pr, kw = os.pipe()
+if os.fork() == 0:
+    while os.read(kr, 1):
+        os.write(kw, hashlib.sha256(zeros).hexdigest().encode())
+    os._exit(0)
+for i in range(0, 96 << 20, 64 << 10):
+    if i // (64 << 10) % 8:
+        zeros[i : i + (64 << 10)] = b"\\1" * (64 << 10)
+pdigest = hashlib.sha256(zeros).hexdigest()
+""",
+).replace(
+    """        reply["zdigest"] = zdigest
+""",
+    """        reply["zdigest"] = zdigest
+        reply["pdigest"] = pdigest
+        os.write(pw, b"?")
+        reply["kid"] = os.read(pr, 64).decode()
+""",
+)
+
+
+async def test_zero_filled_memory_a_forked_child_holds_and_its_parent_does_not_comes_back(
+    tmp_path, process_tree, staging, pool
+):
+    """A child whose memory is zero-filled where its parent's, at the same addresses, is
+    not (written after the fork). CRIU restores a mapping the two share as the parent's,
+    inherited by the child, then the child's own pages: the child's zero blocks, served
+    without reading them, must still replace its parent's bytes there."""
+    lr, tree, before = await lazily_restored(
+        tmp_path, process_tree, staging, pool, FORKED_ZEROS_HOLDER
+    )
+    got = await ask(tree.port, "zhash")
+    assert got["kid"] == got["zdigest"], "the child read other bytes than its own"
+    assert got["zeros"] == got["pdigest"] != got["zdigest"], "the parent read other bytes"
+    stats = await asyncio.wait_for(lr.done, 120)
+    assert stats["zero_bytes"] >= 72 << 20, "the child's zero blocks were read"
+    assert (await ask(tree.port, "zhash"))["kid"] == got["zdigest"]
+    assert (await ask(tree.port, "hash"))["now"] == before["digest"]
+
+
 async def test_memory_a_process_unmaps_before_it_came_is_let_go(
     tmp_path, process_tree, staging, pool
 ):
