@@ -33,7 +33,18 @@ from jupyterhub_gpusnap.checkpoint.chunks import STORE
 from jupyterhub_gpusnap.checkpoint.local import LocalBackend
 from jupyterhub_gpusnap.checkpoint.manifest import Manifest, is_pages_file
 from jupyterhub_gpusnap.checkpoint.page_sums import sums_name, write_sums
-from jupyterhub_gpusnap.checkpoint.pagemap import PagemapError, eager_ranges, read_pagemaps
+from jupyterhub_gpusnap.checkpoint.pagemap import (
+    PE_LAZY,
+    PE_ZERO,
+    PagemapError,
+    eager_copies,
+    eager_ranges,
+    lazy_bytes,
+    pagemap_image,
+    read_pagemap,
+    read_pagemaps,
+    with_zero_pages,
+)
 from jupyterhub_gpusnap.model import Server
 from jupyterhub_gpusnap.procs import is_alive, tree_pids
 from tests.helpers.process_tree import ProcessTree
@@ -379,6 +390,13 @@ digest = hashlib""",
     """    elif cmd[0] == "zhash":
         reply["zeros"] = hashlib.sha256(zeros).hexdigest()
         reply["zdigest"] = zdigest
+    elif cmd[0] == "zpoke":  # write into each zero block, read it back, write the zeros back
+        blocks = [i for i in range(0, 96 << 20, 64 << 10) if i // (64 << 10) % 8]
+        for i in blocks:
+            zeros[i + 4096 : i + 4100] = b"poke"
+        reply["poked"] = all(zeros[i + 4096 : i + 4100] == b"poke" for i in blocks)
+        for i in blocks:
+            zeros[i + 4096 : i + 4100] = bytes(4)
     elif cmd[0] == "peek":""",
 )
 
@@ -387,19 +405,30 @@ async def test_zero_filled_memory_is_served_unread_and_arrives_intact(
     tmp_path, process_tree, staging, pool
 ):
     """Blocks whose page sum is that of zero bytes (a GPU process's image holds plenty of
-    zero-filled buffers) are not read from the image: their content is known. The
-    process gets them zero-filled, the blocks between them as they were, and every page
-    is served."""
+    zero-filled buffers) are not read from the image: their content is known. The pages
+    in them are not even asked for: the pagemaps CRIU is given flag them, and its daemon
+    (patch 0015) maps the zero page there. The process reads them zero-filled, the blocks
+    between them as they were, writes into them as into any memory, and every page asked
+    for is served."""
     lr, tree, before = await lazily_restored(tmp_path, process_tree, staging, pool, ZEROS_HOLDER)
     got = await ask(tree.port, "zhash")
     assert got["zeros"] == got["zdigest"], "the zero-filled mapping came back other bytes"
+    assert (await ask(tree.port, "zpoke"))["poked"], "a write into a zero page did not stay"
     stats = await asyncio.wait_for(lr.done, 120)
     assert lr.daemon.returncode == 0 and stats["served_bytes"] == lr.lazy_bytes
     # 84 of the 96 MiB are zero-filled, in runs of 448 KiB; the page sums' 64 KiB blocks lie
     # at the pages file's offsets, not the process's addresses, so six of each run's seven
     # are zero at least
-    assert stats["zero_bytes"] >= 72 << 20, f"{stats['zero_bytes'] >> 20} MiB served unread"
+    zero = stats["zero_pages_bytes"]
+    assert zero >= 72 << 20, f"{zero >> 20} MiB mapped as zero pages"
+    assert lr.lazy_bytes == lazy_bytes(list(lr.server.maps.values())) - zero
+    log = (staging / lazy.LAZY_LOG).read_text()
+    mapped = sum(int(n) for n in re.findall(r"lazy-pages: (\d+) zero pages mapped", log))
+    assert mapped * 4096 == zero, "the daemon did not map the zero pages it was given"
+    # the segments the page source read hold zero blocks too: those are not read either
+    assert stats["zero_bytes"] > 0
     assert (await ask(tree.port, "hash"))["now"] == before["digest"]
+    assert (await ask(tree.port, "zhash"))["zeros"] == got["zdigest"]
 
 
 #: ZEROS_HOLDER with a child forked after the zero-filled mapping was written: the parent
@@ -435,8 +464,8 @@ async def test_zero_filled_memory_a_forked_child_holds_and_its_parent_does_not_c
 ):
     """A child whose memory is zero-filled where its parent's, at the same addresses, is
     not (written after the fork). CRIU restores a mapping the two share as the parent's,
-    inherited by the child, then the child's own pages: the child's zero blocks, served
-    without reading them, must still replace its parent's bytes there."""
+    inherited by the child, then the child's own pages: the child's zero blocks, mapped as
+    zero pages without asking for them, must still replace its parent's bytes there."""
     lr, tree, before = await lazily_restored(
         tmp_path, process_tree, staging, pool, FORKED_ZEROS_HOLDER
     )
@@ -444,7 +473,7 @@ async def test_zero_filled_memory_a_forked_child_holds_and_its_parent_does_not_c
     assert got["kid"] == got["zdigest"], "the child read other bytes than its own"
     assert got["zeros"] == got["pdigest"] != got["zdigest"], "the parent read other bytes"
     stats = await asyncio.wait_for(lr.done, 120)
-    assert stats["zero_bytes"] >= 72 << 20, "the child's zero blocks were read"
+    assert stats["zero_pages_bytes"] >= 72 << 20, "the child's zero blocks were asked for"
     assert (await ask(tree.port, "zhash"))["kid"] == got["zdigest"]
     assert (await ask(tree.port, "hash"))["now"] == before["digest"]
 
@@ -654,7 +683,7 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
     # the staging's steps, timed: what of it the tree waited for
     steps = phases["lazy_staging"]
     assert set(steps) == {"small_s", "pagemaps_s", "file_pages_s", "sources_s", "eager_s",
-                          "file_pages_bytes"}, steps  # fmt: skip
+                          "file_pages_bytes", "zero_pages_bytes"}, steps  # fmt: skip
     timed = sum(v for k, v in steps.items() if k.endswith("_s"))
     assert 0 < timed <= phases["lazy_staged_s"] + 0.01, phases
     assert steps["file_pages_bytes"] > 0  # read ahead (file_pages_ahead)
@@ -812,14 +841,14 @@ def test_the_lazy_patches_are_the_ones_install_criu_builds_and_checks():
     script = (ci / "install-criu.sh").read_text()
     names = {p.name.removesuffix(".patch") for p in (ci / "criu-patches").glob("*.patch")}
     known = {**criu.LAZY_PATCHES, **criu.COPIER_PATCHES, **criu.SHARED_PATCHES,
-             **criu.IDLE_PATCHES}  # fmt: skip
+             **criu.IDLE_PATCHES, **criu.ZERO_PATCHES}  # fmt: skip
     for name, marker in known.items():
         assert name in names, f"{name}.patch is not in .ci/criu-patches"
         assert f"'{marker}'" in script, f"install-criu.sh does not check for {name}'s marker"
     lazy_names = {n for n in names if "lazy" in n}
     assert lazy_names == set(known), (
-        "a lazy-pages patch is in none of LAZY_PATCHES, COPIER_PATCHES, SHARED_PATCHES and "
-        "IDLE_PATCHES"
+        "a lazy-pages patch is in none of LAZY_PATCHES, COPIER_PATCHES, SHARED_PATCHES, "
+        "IDLE_PATCHES and ZERO_PATCHES"
     )
 
 
@@ -1292,6 +1321,59 @@ def test_pagemaps_locate_pages_across_runs_and_name_what_is_missing(tmp_path):
     (tmp_path / "pagemap-7.img").write_bytes(image[:-3])
     with pytest.raises(PagemapError, match="truncated"):
         read_pagemaps(tmp_path)
+
+
+def test_zero_blocks_of_lazy_runs_become_zero_pages_and_the_rest_keeps_its_place(tmp_path):
+    # pages file of 104 pages, sums in blocks of 16 pages; blocks 0, 2 and 5 hold zeros
+    block, zero = 16 * 4096, frozenset({0, 2, 5})
+    head = b"\x19\x43\x56\x54\x25\x40\x08\x56" + _record({1: 3})
+    image = head + _record({1: 0x100000, 2: 0, 4: 6, 5: 20})  # pages 0-19, lazy
+    image += _record({1: 0x200000, 2: 0, 4: 4, 5: 12})  # pages 20-31, eager
+    image += _record({1: 0x300000, 2: 0, 4: 6, 5: 24})  # pages 32-55, lazy
+    image += _record({1: 0x400000, 2: 0, 4: 6, 5: 48})  # pages 56-103, lazy
+    (tmp_path / "pagemap-7.img").write_bytes(image)
+    pm = read_pagemap(tmp_path / "pagemap-7.img")
+    given, zeros = with_zero_pages(pm, zero, block)
+    assert zeros == 3 * block
+    P, Z = 4096, PE_LAZY | PE_ZERO
+    # (vaddr, pages, offset in the file CRIU reads, offset in the image's, flags)
+    assert [(r.vaddr, r.nr_pages, r.offset, r.stored_at, r.flags) for r in given.runs] == [
+        (0x100000, 16, 0, 0, Z),  # block 0: zero pages, not stored
+        (0x100000 + 16 * P, 4, 0, 16 * P, 6),
+        (0x200000, 12, 4 * P, 20 * P, 4),  # eager: kept whole (block 1 is not zero)
+        (0x300000, 16, 16 * P, 32 * P, Z),  # block 2
+        (0x300000 + 16 * P, 8, 16 * P, 48 * P, 6),
+        (0x400000, 24, 24 * P, 56 * P, 6),  # pages 56-79
+        (0x400000 + 24 * P, 16, 48 * P, 80 * P, Z),  # block 5 (pages 80-95)
+        (0x400000 + 40 * P, 8, 48 * P, 96 * P, 6),
+    ]  # fmt: skip
+    assert lazy_bytes([given]) == lazy_bytes([pm]) - zeros  # zero pages are not asked for
+    # the eager pages go where CRIU will read them, from where the image has them
+    assert eager_copies([given]) == {"pages-3.img": [(20 * P, 4 * P, 12 * P)]}
+    assert eager_copies([pm]) == {"pages-3.img": [(20 * P, 20 * P, 12 * P)]}
+    # written as CRIU writes a pagemap: read back, the stored runs are where CRIU finds them
+    (tmp_path / "given").mkdir()
+    (tmp_path / "given" / "pagemap-7.img").write_bytes(pagemap_image(image, given))
+    back = read_pagemap(tmp_path / "given" / "pagemap-7.img")
+    assert (back.pid, back.pages_id) == (7, 3)
+    assert [(r.vaddr, r.nr_pages, r.offset, r.flags) for r in back.runs] == [
+        (r.vaddr, r.nr_pages, r.offset, r.flags) for r in given.runs if not r.flags & PE_ZERO
+    ]
+    # neighbouring zero blocks of one run are one zero run; block 1's lazy pages (16-19)
+    # join block 0's, the eager pages there are kept
+    one, n = with_zero_pages(pm, frozenset({0, 1}), block)
+    assert n == 20 * P and [(r.vaddr, r.nr_pages, r.flags) for r in one.runs[:2]] == [
+        (0x100000, 20, Z), (0x200000, 12, 4),
+    ]  # fmt: skip
+    assert with_zero_pages(pm, frozenset(), block) == (pm, 0)
+    # shared memory (restored eagerly), or blocks not whole pages: as it was
+    shm = read_pagemap(tmp_path / "pagemap-7.img")
+    shm.pid = None
+    assert with_zero_pages(shm, zero, block) == (shm, 0)
+    assert with_zero_pages(pm, zero, 1000) == (pm, 0)
+    # a pagemap with entries that hold no pages is not written again
+    with pytest.raises(PagemapError, match="entries without pages"):
+        pagemap_image(image + _record({1: 0x500000, 2: 1, 4: 0}), given)
 
 
 def test_the_gpu_memory_is_due_as_the_last_pages_arrive():

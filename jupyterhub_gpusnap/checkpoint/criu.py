@@ -480,6 +480,8 @@ COPIER_PATCHES = {"0011-lazy-pages-copiers": "copier: %d events read while waiti
 SHARED_PATCHES = {"0012-lazy-pages-shared-answers": "lazy-pages: answers in shared memory of %lu bytes"}  # fmt: skip
 # The daemon sleeps while it has nothing to ask for (upstream it polled, taking a core)
 IDLE_PATCHES = {"0013-lazy-pages-idle-wait": "lazy-pages: slept %lu times while nothing was to ask for"}  # fmt: skip
+#: The daemon maps pages a pagemap flags PE_ZERO as zero pages (lazy.stage's zero_pages)
+ZERO_PATCHES = {"0015-lazy-pages-zero-pages": "lazy-pages: %lu zero pages mapped, not asked for"}  # fmt: skip
 
 _lazy_missing: dict[tuple, set[str]] = {}
 
@@ -487,8 +489,8 @@ _lazy_missing: dict[tuple, set[str]] = {}
 def lazy_patches_missing(criu: str = "", patches: dict[str, str] | None = None) -> list[str]:
     """The patches of ``patches`` (default :data:`LAZY_PATCHES`) the criu binary lacks (all
     of them when it cannot be found or read). The binary is read once per path, size and
-    change time, for every patch of LAZY_PATCHES, COPIER_PATCHES, SHARED_PATCHES and
-    IDLE_PATCHES."""
+    change time, for every patch of LAZY_PATCHES, COPIER_PATCHES, SHARED_PATCHES,
+    IDLE_PATCHES and ZERO_PATCHES."""
     patches = LAZY_PATCHES if patches is None else patches
     binary = find_criu(criu)
     if not binary:
@@ -500,7 +502,8 @@ def lazy_patches_missing(criu: str = "", patches: dict[str, str] | None = None) 
         if key not in _lazy_missing:
             with open(real, "rb") as f:
                 data = f.read()
-            known = {**LAZY_PATCHES, **COPIER_PATCHES, **SHARED_PATCHES, **IDLE_PATCHES}
+            known = {**LAZY_PATCHES, **COPIER_PATCHES, **SHARED_PATCHES, **IDLE_PATCHES,
+                     **ZERO_PATCHES}  # fmt: skip
             _lazy_missing[key] = {n for n, m in known.items() if m.encode() not in data}
         return [n for n in patches if n in _lazy_missing[key]]
     except OSError:

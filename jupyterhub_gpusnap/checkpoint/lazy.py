@@ -53,7 +53,15 @@ from .manifest import is_pages_file, verify_image
 from .page_server import BACKGROUND, AnswerRing, PageServer
 from .page_source import ChunkPages, PageDamaged, RawPages
 from .page_sums import SumsError, load_sums
-from .pagemap import PagemapError, eager_ranges, lazy_bytes, read_pagemaps
+from .pagemap import (
+    PagemapError,
+    eager_copies,
+    eager_ranges,
+    lazy_bytes,
+    pagemap_image,
+    read_pagemaps,
+    with_zero_pages,
+)
 
 LAZY_LOG = "lazy-pages.log"
 PAGE_SERVER_LOG = "page-server.log"  # when each request came and its answer went
@@ -162,15 +170,19 @@ def stage(
     times: dict | None = None,
     *,
     file_pages_ahead: bool = False,
+    zero_pages: bool = False,
 ):
     """Write what ``criu restore --lazy-pages`` reads itself into ``dest``, all of it
-    checked; return (pagemaps, {pages file: source}). Raises CheckpointError naming what
-    is damaged or missing. Blocking. ``file_pages_ahead``: also have the kernel read ahead the
-    library pages CRIU will write into (:mod:`.file_pages`). ``times`` (if given) gets the
-    seconds of each step: ``small_s`` (the small files, copied and checked),
+    checked; return (the image's pagemaps, {pages file: source}). Raises CheckpointError
+    naming what is damaged or missing. Blocking. ``file_pages_ahead``: also have the kernel
+    read ahead the library pages CRIU will write into (:mod:`.file_pages`). ``zero_pages``
+    (a CRIU with patch 0015): the pagemaps CRIU reads mark the lazy pages whose page sums say
+    they hold zeros, which its daemon then maps as zero pages instead of asking for them
+    (:func:`.pagemap.with_zero_pages`; files only, chunks have no such sums). ``times`` (if
+    given) gets the seconds of each step: ``small_s`` (the small files, copied and checked),
     ``pagemaps_s``, ``file_pages_s`` (with ``file_pages_ahead``; ``file_pages_bytes`` how much
     was asked for), ``sources_s`` (page sums loaded, chunk lists), ``eager_s`` (the eager
-    pages read, checked and written)."""
+    pages read, checked and written); with ``zero_pages``, ``zero_pages_bytes``."""
     times = {} if times is None else times
     t = time.monotonic()
 
@@ -201,19 +213,20 @@ def stage(
             if is_pages_file(name):
                 sources[name] = image.source(name, pool)
         took("sources_s")
-        eager = eager_ranges(pagemaps)
-        for name, ranges in eager.items():
+        given = _with_zero_pages(dest, pagemaps, sources, times) if zero_pages else pagemaps
+        eager = eager_copies(given)
+        for name, copies in eager.items():
             if name not in sources:
                 raise CheckpointError(
                     f"image is damaged: {name}, which a pagemap names, is missing"
                 )
-            for off, n in ranges:  # read and check them in the pool, all at once
-                sources[name].ahead(off, n)
-        for name, ranges in eager.items():
+            for src, _, n in copies:  # read and check them in the pool, all at once
+                sources[name].ahead(src, n)
+        for name, copies in eager.items():
             fd = os.open(dest / name, os.O_WRONLY)
             try:
-                for off, n in ranges:
-                    for view in sources[name].read(off, n):
+                for src, off, n in copies:
+                    for view in sources[name].read(src, n):
                         while view:
                             done = os.pwrite(fd, view, off)
                             view, off = view[done:], off + done
@@ -233,6 +246,28 @@ def stage(
             s.close()
         raise
     return pagemaps, sources
+
+
+def _with_zero_pages(dest: Path, pagemaps, sources, times: dict) -> list:
+    """The pagemaps CRIU is given, written into ``dest``, with the lazy pages whose page sums
+    say they hold zeros marked (:func:`.pagemap.with_zero_pages`).
+    ``times["zero_pages_bytes"]``: how many bytes that is."""
+    given, zeros = [], 0
+    for pm in pagemaps:
+        source = sources.get(pm.pages_file)
+        if isinstance(source, RawPages):
+            out, n = with_zero_pages(pm, source.sums.zero, source.sums.block)
+            if n:
+                path = dest / pm.name
+                try:
+                    path.write_bytes(pagemap_image(path.read_bytes(), out))
+                except PagemapError:
+                    out, n = pm, 0  # entries this cannot write again: given as it was
+            pm = out
+            zeros += n
+        given.append(pm)
+    times["zero_pages_bytes"] = zeros
+    return given
 
 
 # ---------------------------------------------------------------------- the restore
@@ -334,9 +369,11 @@ async def restore(
     staging = Path(staging)
     t0 = time.monotonic()
     steps: dict = {}
+    zero_pages = not criu.lazy_patches_missing(criu_path, criu.ZERO_PATCHES)
     pagemaps, sources = await asyncio.to_thread(
-        stage, image, staging, pool, steps, file_pages_ahead=file_pages_ahead
-    )
+        stage, image, staging, pool, steps, file_pages_ahead=file_pages_ahead,
+        zero_pages=zero_pages,
+    )  # fmt: skip
     staged_s = time.monotonic() - t0
     failed = asyncio.Event()
     ring = None
@@ -410,7 +447,8 @@ async def restore(
         raise
     lazy = LazyRestore(
         restored=restored, daemon=daemon, server=server, staging=staging,
-        lazy_bytes=lazy_bytes(pagemaps), started=t0, running_at=time.monotonic(),
+        lazy_bytes=lazy_bytes(pagemaps) - steps.get("zero_pages_bytes", 0), started=t0,
+        running_at=time.monotonic(),
     )  # fmt: skip
     # what CRIU restored itself: a few MiB, unless a process's memory could not be left lazy
     eager = sum(n for ranges in eager_ranges(pagemaps).values() for _, n in ranges)
@@ -470,6 +508,7 @@ async def _watch(lazy: LazyRestore, failed: asyncio.Event, stop_all, poll: float
             background_requests=server.asked[BACKGROUND],
             background_from_memory=server.from_memory,
             zero_bytes=sum(s.zero_bytes for s in server.sources.values()),
+            zero_pages_bytes=lazy.stats["staging"].get("zero_pages_bytes", 0),
             put_s=round(server.put_s, 3),
             **_quantiles_ms("background_answer", server.background_answer_s),
             **{f"{k}_wait_s": round(v, 3) for k, v in server.waited.items()},

@@ -242,7 +242,8 @@ class LazyRestoreMixin:
                     "lazy_fault_requests": stats.get("fault_requests"),
                     # where the page server's sender waited: what held the transfer back
                     **{f"lazy_{k}": stats.get(k) for k in (
-                        "background_requests", "background_from_memory", "zero_bytes", "put_s",
+                        "background_requests", "background_from_memory", "zero_bytes",
+                        "zero_pages_bytes", "put_s",
                         "background_answer_p50_ms", "background_answer_p90_ms", "read_wait_s",
                         "send_wait_s", "idle_wait_s")},
                     **({} if gpu else _full(restore_started)),

@@ -26,6 +26,8 @@ from .protobuf import varints
 
 PAGE = 4096
 PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
+#: not in CRIU's images: pages known to hold zeros, for CRIU patch 0015 (:func:`with_zero_pages`)
+PE_ZERO = 8
 _TASK = re.compile(r"pagemap-(\d+)\.img")
 
 
@@ -41,6 +43,13 @@ class Run:
     nr_pages: int
     offset: int
     flags: int
+    #: where the pages are in the image's pages file (-1: at ``offset``; differs in a
+    #: pagemap given to CRIU with some of the image's pages as zero pages, :func:`with_zero_pages`)
+    source: int = -1
+
+    @property
+    def stored_at(self) -> int:
+        return self.offset if self.source < 0 else self.source
 
     @property
     def lazy(self) -> bool:
@@ -66,8 +75,8 @@ class Pagemap:
         return f"pages-{self.pages_id}.img"
 
     def locate(self, vaddr: int, nr_pages: int) -> list[tuple[int, int]]:
-        """``[(offset, length), …]`` in the pages file holding ``nr_pages`` pages from
-        ``vaddr``; PagemapError when any of them is not in the image."""
+        """``[(offset, length), …]`` in the image's pages file holding ``nr_pages`` pages
+        from ``vaddr``; PagemapError when any of them is not in the image."""
         if len(self._starts) != len(self.runs):
             self._starts = [r.vaddr for r in self.runs]
         starts = self._starts
@@ -79,7 +88,7 @@ class Pagemap:
                 raise PagemapError(f"address {addr:#x} of process {self.pid} is not in the image")
             run = self.runs[i]
             n = min(end, run.end) - addr
-            off = run.offset + (addr - run.vaddr)
+            off = run.stored_at + (addr - run.vaddr)
             if out and out[-1][0] + out[-1][1] == off:
                 out[-1] = (out[-1][0], out[-1][1] + n)
             else:
@@ -129,6 +138,106 @@ def eager_ranges(pagemaps: list[Pagemap]) -> dict[str, list[tuple[int, int]]]:
     return {name: merged(ranges) for name, ranges in out.items()}
 
 
+def eager_copies(pagemaps: list[Pagemap]) -> dict[str, list[tuple[int, int, int]]]:
+    """{pages file: [(offset in the image's file, offset in the one CRIU reads, length), …]}:
+    what :func:`eager_ranges` names, for pagemaps given to CRIU (:func:`with_zero_pages`),
+    sorted, runs that follow each other in both files joined."""
+    out: dict[str, list[tuple[int, int, int]]] = {}
+    for pm in pagemaps:
+        copies = out.setdefault(pm.pages_file, [])
+        for run in pm.runs:
+            if pm.pid is None or not run.lazy:
+                copies.append((run.stored_at, run.offset, run.nr_pages * PAGE))
+    for name, copies in out.items():
+        joined: list[tuple[int, int, int]] = []
+        for src, dst, n in sorted(copies, key=lambda c: c[1]):
+            if (
+                joined
+                and joined[-1][0] + joined[-1][2] == src
+                and joined[-1][1] + joined[-1][2] == dst
+            ):
+                joined[-1] = (joined[-1][0], joined[-1][1], joined[-1][2] + n)
+            else:
+                joined.append((src, dst, n))
+        out[name] = joined
+    return out
+
+
+def with_zero_pages(pm: Pagemap, zero: frozenset[int], block: int) -> tuple[Pagemap, int]:
+    """``pm`` as a lazy restore gives it to CRIU: the pages of its lazy runs that lie in
+    ``zero`` blocks of its pages file (block numbers, ``block`` bytes each: their page sums
+    say they hold zero bytes) become runs flagged ``PE_ZERO``, not stored (each run's
+    ``offset`` is that in a pages file without them, its ``source`` that in the image's);
+    and how many bytes that is. ``pm`` itself when none are (a pagemap of shared memory,
+    always restored eagerly, included).
+
+    CRIU's daemon with patch 0015 maps the zero page over ``PE_ZERO`` runs when it takes
+    the process over, and never asks for them: zero-filled memory is neither read, sent nor
+    copied, and reading it faults nowhere (the GPU driver's restore reads the host copy of
+    the device memory, zero-filled parts included). Lazy memory is private anonymous
+    memory only, where the zero page is what an untouched page reads anyway; a write
+    copies it, as the kernel does for any such page."""
+    if pm.pid is None or not zero or block % PAGE:
+        return pm, 0
+    marks = sorted(zero)
+    out = Pagemap(pm.name, pm.pages_id, pid=pm.pid)
+    at = zeros = 0
+
+    def add(run: Run, start: int, end: int, flags: int) -> None:  # [start, end) of the image's file
+        nonlocal at
+        if end <= start:
+            return
+        vaddr, nr = run.vaddr + (start - run.offset), (end - start) // PAGE
+        last = out.runs[-1] if out.runs else None
+        if flags & PE_ZERO and last is not None and last.flags == flags and last.end == vaddr:
+            last.nr_pages += nr
+            return
+        out.runs.append(Run(vaddr, nr, at, flags, source=start))
+        if not flags & PE_ZERO:
+            at += end - start
+
+    for run in pm.runs:
+        start, end = run.offset, run.offset + run.nr_pages * PAGE
+        i = bisect.bisect_left(marks, start // block)
+        if not run.lazy or i == len(marks) or marks[i] * block >= end:
+            add(run, start, end, run.flags)
+            continue
+        pos = start
+        while i < len(marks) and marks[i] * block < end:
+            lo, hi = max(marks[i] * block, start), min((marks[i] + 1) * block, end)
+            add(run, pos, lo, run.flags)
+            add(run, lo, hi, PE_LAZY | PE_ZERO)
+            zeros += hi - lo
+            pos = hi
+            i += 1
+        add(run, pos, end, run.flags)
+    return (out, zeros) if zeros else (pm, 0)
+
+
+def pagemap_image(original: bytes, pm: Pagemap) -> bytes:
+    """The bytes of a ``pagemap-*.img`` holding ``pm``, with ``original``'s (that of the
+    image ``pm`` was made from) magic numbers and head. PagemapError when ``original`` has
+    entries other than the pages it stores (those are not written again)."""
+    try:
+        recs = protobuf.records(original, pm.name)
+    except protobuf.ProtobufError as e:
+        raise PagemapError(f"{pm.name}: {e}") from e
+    for rec in recs[1:]:
+        if not varints(rec).get(4, PE_PRESENT) & PE_PRESENT:
+            raise PagemapError(f"{pm.name}: has entries without pages")
+    out = bytearray(original[:8])
+    for rec in [recs[0]] + [_entry(r) for r in pm.runs]:
+        out += len(rec).to_bytes(4, "little") + rec
+    return bytes(out)
+
+
+def _entry(run: Run) -> bytes:
+    """A ``pagemap_entry`` as CRIU writes it (the page count in ``nr_pages``, its old
+    32-bit field left 0)."""
+    fields = ((1, run.vaddr), (2, 0), (4, run.flags), (5, run.nr_pages))
+    return b"".join(protobuf.varint(n << 3) + protobuf.varint(v) for n, v in fields)
+
+
 def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """``[(offset, length), …]`` sorted, overlapping or touching ones joined."""
     out: list[tuple[int, int]] = []
@@ -142,7 +251,11 @@ def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
 
 
 def lazy_bytes(pagemaps: list[Pagemap]) -> int:
-    """Bytes a lazy restore leaves to the page server."""
+    """Bytes a lazy restore leaves to the page server (zero pages are not asked for)."""
     return sum(
-        r.nr_pages * PAGE for pm in pagemaps if pm.pid is not None for r in pm.runs if r.lazy
+        r.nr_pages * PAGE
+        for pm in pagemaps
+        if pm.pid is not None
+        for r in pm.runs
+        if r.lazy and not r.flags & PE_ZERO
     )
