@@ -14,6 +14,10 @@ What CRIU reads itself comes from a *staging* folder, all of it checked first: t
 image files (copied and checked against the manifest, or unpacked from their chunks) and
 each pages file as a sparse file holding only the pages CRIU restores eagerly (stacks,
 private file mappings, shared memory: a few MiB), read through the same checked sources.
+With a CRIU that has patch 0015, the pagemaps there also mark the lazy pages whose page
+sums say they hold zeros: the daemon maps the zero page over them instead of asking for
+them (the eager pages then lie further up in the staged pages files: the pages CRIU reads
+are only those it is given as stored).
 
 Failure: a page that fails its check is never answered; the faulting thread waits in
 the kernel while the whole tree is killed. The daemon dying would close the
