@@ -37,7 +37,8 @@ page server's beside it).
 ``--repeated F``: the last part F of the data is one byte over and over, like the zero-filled
 buffers of a GPU process; the chunk store cuts it into its smallest chunks. ``--zeros F``: the
 part F before it is zero bytes (written, so its pages are in the image), which a lazy restore
-from files serves without reading (``zero_mib``: how much).
+from files maps as zero pages without asking for them with CRIU patch 0015 (``zero_pages_mib``)
+and otherwise serves without reading (``zero_mib``: how much of the segments read was zero).
 
 Usage: ``python bench/lazy_restore.py [--gib 0.2 1 2] [--restores N] [--warm] [--repeated F] [--zeros F]
 [--copiers N ...] [--shared MIB ...] [--logs DIR] [--name NAME]``
@@ -75,7 +76,7 @@ from jupyterhub_gpusnap.model import Server
 COLUMNS = [
     "gib", "storage", "mode", "copiers", "shared_mib", "answer_s", "answer_min_s", "answer_max_s", "all_in_s",
     "all_in_ratio", "intact", "suspend_s", "sums_s", "served_mib", "requests", "fault_requests",
-    "zero_mib", "staged_s", "running_s", "read_wait_s", "send_wait_s", "idle_wait_s", "put_s",
+    "zero_mib", "zero_pages_mib", "staged_s", "running_s", "read_wait_s", "send_wait_s", "idle_wait_s", "put_s",
     "background_answer_p50_ms",
 ]  # fmt: skip
 
@@ -233,6 +234,7 @@ async def restore_lazy(
             "served_mib": round(stats["served_bytes"] / 2**20, 1),
             "requests": stats["requests"], "fault_requests": stats["fault_requests"],
             "zero_mib": round(stats.get("zero_bytes", 0) / 2**20, 1),
+            "zero_pages_mib": round(stats.get("zero_pages_bytes", 0) / 2**20, 1),
             # where the time went: staging, the tree's restore, then the page server's
             # waits while the memory came (read: reading and checking; send: the daemon had
             # not taken the last answer; idle: nothing asked for)
@@ -301,6 +303,7 @@ async def run(sizes: list[float], restores: int, root: Path) -> list[dict]:
                     "requests": got[-1].get("requests"),
                     "fault_requests": got[-1].get("fault_requests"),
                     "zero_mib": got[-1].get("zero_mib"),
+                    "zero_pages_mib": got[-1].get("zero_pages_mib"),
                     **{k: round(statistics.median(r[k] for r in got), 3) if mode == "lazy"
                        else None for k in PHASES},
                 })  # fmt: skip
