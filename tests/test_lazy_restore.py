@@ -170,12 +170,14 @@ def image_of(backend: LocalBackend, m: Manifest, folder: Path, pool):
 SHARED = 64 << 20  # LocalBackend.lazy_shared_mib's default, in bytes
 
 
-async def restore_lazily(image, staging: Path, m: Manifest, pool, shared: int = SHARED):
+async def restore_lazily(
+    image, staging: Path, m: Manifest, pool, shared: int = SHARED, criu_path: str = ""
+):
     """``lazy.restore`` of ``image``, its pages through ``shared`` bytes of memory shared with
-    the daemon (CRIU patch 0012; 0: through the socket)."""
+    the daemon (CRIU patch 0012; 0: through the socket), by ``criu_path`` (default: criu)."""
     lr = await lazy.restore(
         image, staging, staging / "restore.pid", pool=pool, tcp=m.tcp_mode,
-        shell_job=m.shell_job,
+        shell_job=m.shell_job, criu_path=criu_path,
         extra=sandbox.restore_args(bool(m.extra.get("mount_namespace"))), shared_bytes=shared,
     )  # fmt: skip
     assert lr.stats["shared_bytes"] == shared
@@ -184,18 +186,18 @@ async def restore_lazily(image, staging: Path, m: Manifest, pool, shared: int = 
 
 async def lazily_restored(
     tmp_path, process_tree, staging: Path, pool, program: str = HOLDER, go: str = "",
-    shared: int = SHARED,
+    shared: int = SHARED, criu_path: str = "",
 ) -> tuple[lazy.LazyRestore, ProcessTree, dict]:  # fmt: skip
     """The holder ``program`` checkpointed by LocalBackend (files) and restored lazily, its
     tree running: (the lazy restore, the tree, what it answered before). ``go``: a file
-    made next to the holder's log in between (CHURN_HOLDER waits for it). ``shared``: as
-    :func:`restore_lazily` takes it."""
+    made next to the holder's log in between (CHURN_HOLDER waits for it). ``shared``,
+    ``criu_path``: as :func:`restore_lazily` takes them."""
     backend, tree, m, folder, before = await suspended(tmp_path, process_tree, "files",
                                                        program=program)  # fmt: skip
     image = image_of(backend, m, folder, pool)
     if go:
         (tree.root / go).touch()
-    lr = await restore_lazily(image, staging, m, pool, shared)
+    lr = await restore_lazily(image, staging, m, pool, shared, criu_path)
     tree.pid = lr.pid
     return lr, tree, before
 
@@ -810,6 +812,42 @@ async def test_a_criu_whose_daemon_polls_is_named_at_the_start(tmp_path, caplog)
                            restore_mode="lazy", criu_path=str(path)).warm_up()  # fmt: skip
         said = f"{path} lacks patch 0013" in caplog.text and "taking a core" in caplog.text
         assert said == named, caplog.text
+
+
+async def test_a_criu_without_zero_pages_is_named_at_the_start_and_sends_them(
+    tmp_path, process_tree, staging, pool, caplog
+):
+    """Patch 0015 (zero-filled memory mapped as zero pages) is a speed-up: with a CRIU without
+    it the pagemaps are given as they are, the zero-filled memory is asked for and served
+    without reading it, and warm_up says what that costs and how to get it."""
+    real = Path(criu.find_criu())
+    marker = criu.ZERO_PATCHES["0015-lazy-pages-zero-pages"].encode()
+    older = tmp_path / "criu-0014"  # the same CRIU, its 0015 marker gone
+    older.write_bytes(real.read_bytes().replace(marker, marker[:-1] + b"Z"))
+    older.chmod(0o755)
+    assert criu.lazy_patches_missing(str(older)) == []
+    assert criu.lazy_patches_missing(str(older), criu.ZERO_PATCHES) == [
+        "0015-lazy-pages-zero-pages"
+    ]
+    assert criu.lazy_patches_missing(patches=criu.ZERO_PATCHES) == []
+    caplog.set_level("WARNING")
+    for path, named in ((older, True), (real, False)):
+        caplog.clear()
+        await LocalBackend(checkpoint_dir=str(tmp_path / "ckpt"), min_free_bytes=0,
+                           restore_mode="lazy", criu_path=str(path)).warm_up()  # fmt: skip
+        said = f"{path} lacks patch 0015" in caplog.text and "sends it" in caplog.text
+        assert said == named, caplog.text
+    lr, tree, before = await lazily_restored(
+        tmp_path, process_tree, staging, pool, ZEROS_HOLDER, criu_path=str(older)
+    )
+    got = await ask(tree.port, "zhash")
+    assert got["zeros"] == got["zdigest"]
+    stats = await asyncio.wait_for(lr.done, 120)
+    assert stats["zero_pages_bytes"] == 0
+    assert lr.lazy_bytes == lazy_bytes(list(lr.server.maps.values())) == stats["served_bytes"]
+    assert stats["zero_bytes"] >= 72 << 20, "the zero blocks asked for were read"
+    assert "zero pages mapped" not in (staging / lazy.LAZY_LOG).read_text()
+    assert (await ask(tree.port, "hash"))["now"] == before["digest"]
 
 
 async def test_copiers_asked_of_a_criu_without_them_are_named_at_the_start(tmp_path, caplog):

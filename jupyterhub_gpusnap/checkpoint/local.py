@@ -731,6 +731,9 @@ class LocalBackend(
                 (None, criu.IDLE_PATCHES,
                  "the lazy-pages daemon sleeps while it has nothing to ask for",
                  "its daemon polls instead, taking a core for each lazy restore's transfer"),
+                (None, criu.ZERO_PATCHES, "zero-filled memory mapped as zero pages",
+                 "lazy restores from files ask for zero-filled memory too, and the page server "
+                 "sends it"),
             ]  # fmt: skip
             for setting, patches, what, instead in optional:
                 if eager or lacking or (setting and not getattr(self, setting)):
