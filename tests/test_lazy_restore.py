@@ -794,24 +794,33 @@ async def test_a_criu_without_the_lazy_patches_restores_eagerly_naming_them(
     assert "install CRIU with .ci/install-criu.sh" in caplog.text
 
 
-async def test_a_criu_whose_daemon_polls_is_named_at_the_start(tmp_path, caplog):
-    """Patch 0013 (the daemon sleeps while it has nothing to ask for) is a speed-up: a CRIU
-    without it still restores lazily, and warm_up says what it costs and how to get it."""
+async def criu_without(tmp_path, caplog, patches: dict[str, str], costs: str) -> Path:
+    """The installed CRIU with the marker of the one patch in ``patches`` gone, as a CRIU
+    built without that speed-up. It still has every patch a lazy restore needs and lacks
+    that one only; warm_up names it, with what it ``costs``, and says nothing of the real
+    one."""
+    ((name, marker),) = patches.items()
     real = Path(criu.find_criu())
-    marker = criu.IDLE_PATCHES["0013-lazy-pages-idle-wait"].encode()
-    older = tmp_path / "criu-0012"  # the same CRIU, its 0013 marker gone
-    older.write_bytes(real.read_bytes().replace(marker, marker[:-1] + b"Z"))
+    older = tmp_path / f"criu-without-{name[:4]}"
+    older.write_bytes(real.read_bytes().replace(marker.encode(), marker[:-1].encode() + b"Z"))
     older.chmod(0o755)
     assert criu.lazy_patches_missing(str(older)) == []
-    assert criu.lazy_patches_missing(str(older), criu.IDLE_PATCHES) == ["0013-lazy-pages-idle-wait"]
-    assert criu.lazy_patches_missing(patches=criu.IDLE_PATCHES) == []
+    assert criu.lazy_patches_missing(str(older), patches) == [name]
+    assert criu.lazy_patches_missing(patches=patches) == []
     caplog.set_level("WARNING")
     for path, named in ((older, True), (real, False)):
         caplog.clear()
         await LocalBackend(checkpoint_dir=str(tmp_path / "ckpt"), min_free_bytes=0,
                            restore_mode="lazy", criu_path=str(path)).warm_up()  # fmt: skip
-        said = f"{path} lacks patch 0013" in caplog.text and "taking a core" in caplog.text
+        said = f"{path} lacks patch {name[:4]}" in caplog.text and costs in caplog.text
         assert said == named, caplog.text
+    return older
+
+
+async def test_a_criu_whose_daemon_polls_is_named_at_the_start(tmp_path, caplog):
+    """Patch 0013 (the daemon sleeps while it has nothing to ask for) is a speed-up: a CRIU
+    without it still restores lazily, and warm_up says what it costs and how to get it."""
+    await criu_without(tmp_path, caplog, criu.IDLE_PATCHES, "taking a core")
 
 
 async def test_a_criu_without_zero_pages_is_named_at_the_start_and_sends_them(
@@ -820,23 +829,7 @@ async def test_a_criu_without_zero_pages_is_named_at_the_start_and_sends_them(
     """Patch 0015 (zero-filled memory mapped as zero pages) is a speed-up: with a CRIU without
     it the pagemaps are given as they are, the zero-filled memory is asked for and served
     without reading it, and warm_up says what that costs and how to get it."""
-    real = Path(criu.find_criu())
-    marker = criu.ZERO_PATCHES["0015-lazy-pages-zero-pages"].encode()
-    older = tmp_path / "criu-0014"  # the same CRIU, its 0015 marker gone
-    older.write_bytes(real.read_bytes().replace(marker, marker[:-1] + b"Z"))
-    older.chmod(0o755)
-    assert criu.lazy_patches_missing(str(older)) == []
-    assert criu.lazy_patches_missing(str(older), criu.ZERO_PATCHES) == [
-        "0015-lazy-pages-zero-pages"
-    ]
-    assert criu.lazy_patches_missing(patches=criu.ZERO_PATCHES) == []
-    caplog.set_level("WARNING")
-    for path, named in ((older, True), (real, False)):
-        caplog.clear()
-        await LocalBackend(checkpoint_dir=str(tmp_path / "ckpt"), min_free_bytes=0,
-                           restore_mode="lazy", criu_path=str(path)).warm_up()  # fmt: skip
-        said = f"{path} lacks patch 0015" in caplog.text and "sends it" in caplog.text
-        assert said == named, caplog.text
+    older = await criu_without(tmp_path, caplog, criu.ZERO_PATCHES, "sends it")
     lr, tree, before = await lazily_restored(
         tmp_path, process_tree, staging, pool, ZEROS_HOLDER, criu_path=str(older)
     )

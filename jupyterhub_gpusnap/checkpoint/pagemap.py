@@ -129,13 +129,10 @@ def read_pagemaps(folder: Path | str) -> list[Pagemap]:
 def eager_ranges(pagemaps: list[Pagemap]) -> dict[str, list[tuple[int, int]]]:
     """{pages file: [(offset, length), …]}: the bytes ``criu restore --lazy-pages`` reads
     itself (everything but the lazy runs of processes), merged and sorted."""
-    out: dict[str, list[tuple[int, int]]] = {}
-    for pm in pagemaps:
-        ranges = out.setdefault(pm.pages_file, [])
-        for run in pm.runs:
-            if pm.pid is None or not run.lazy:
-                ranges.append((run.offset, run.nr_pages * PAGE))
-    return {name: merged(ranges) for name, ranges in out.items()}
+    return {
+        name: merged([(src, n) for src, _, n in copies])
+        for name, copies in eager_copies(pagemaps).items()
+    }
 
 
 def eager_copies(pagemaps: list[Pagemap]) -> dict[str, list[tuple[int, int, int]]]:
