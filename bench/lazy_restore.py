@@ -344,7 +344,7 @@ def main() -> None:
     ap.add_argument("--zeros", type=float, default=0.0,
                     help="the part of the data (0-1, before the --repeated part) that is zero "
                     "bytes, like a GPU process's zero-filled buffers: a lazy restore from files "
-                    "serves it without reading it")  # fmt: skip
+                    "maps it as zero pages (CRIU patch 0015) or serves it without reading it")  # fmt: skip
     args = ap.parse_args()
     SHARED, ZEROS = args.shared, args.zeros
     WARM, REPEATED, COPIERS = args.warm, args.repeated, args.copiers
