@@ -684,12 +684,15 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
     assert phases["mode"] == "lazy" and phases["lazy_bytes"] >= 190 << 20
     # the staging's steps, timed: what of it the tree waited for
     steps = phases["lazy_staging"]
-    assert set(steps) == {"small_s", "pagemaps_s", "file_pages_s", "sources_s", "eager_s",
-                          "file_pages_bytes", "zero_pages_bytes"}, steps  # fmt: skip
+    assert set(steps) == {"small_s", "pagemaps_s", "file_pages_s", "sources_s", "zero_pages_s",
+                          "eager_s", "file_pages_bytes", "zero_pages_bytes",
+                          "eager_loaded_bytes"}, steps  # fmt: skip
     timed = sum(v for k, v in steps.items() if k.endswith("_s"))
     assert 0 < timed <= phases["lazy_staged_s"] + 0.01, phases
     assert steps["file_pages_bytes"] > 0  # read ahead (file_pages_ahead)
     assert 0 < phases["lazy_eager_bytes"] < 16 << 20
+    # the eager pages' segments, read and checked whole
+    assert phases["lazy_eager_bytes"] <= steps["eager_loaded_bytes"] < 64 << 20
     assert (await ask(tree.port, "hash"))["now"] == before["digest"]
     task = lazyb.lazy_restores.get(info.id)
     if task is not None:
@@ -1403,8 +1406,17 @@ def test_zero_blocks_of_lazy_runs_become_zero_pages_and_the_rest_keeps_its_place
     assert with_zero_pages(shm, zero, block) == (shm, 0)
     assert with_zero_pages(pm, zero, 1000) == (pm, 0)
     # a pagemap with entries that hold no pages is not written again
+    holed = image + _record({1: 0x500000, 2: 1, 4: 0})
+    (tmp_path / "pagemap-7.img").write_bytes(holed)
+    pm = read_pagemap(tmp_path / "pagemap-7.img")
+    assert pm.holes == 1 and len(pm.runs) == 4
     with pytest.raises(PagemapError, match="entries without pages"):
-        pagemap_image(image + _record({1: 0x500000, 2: 1, 4: 0}), given)
+        pagemap_image(holed, with_zero_pages(pm, zero, block)[0])
+    # an entry written otherwise than CRIU does (a two-byte tag) reads the same
+    (tmp_path / "pagemap-7.img").write_bytes(head + _record({1: 0x100000, 4: 6, 5: 20, 16: 9}))
+    assert [
+        (r.vaddr, r.nr_pages, r.flags) for r in read_pagemap(tmp_path / "pagemap-7.img").runs
+    ] == [(0x100000, 20, 6)]
 
 
 def test_the_gpu_memory_is_due_as_the_last_pages_arrive():

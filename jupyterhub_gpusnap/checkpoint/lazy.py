@@ -186,7 +186,9 @@ def stage(
     given) gets the seconds of each step: ``small_s`` (the small files, copied and checked),
     ``pagemaps_s``, ``file_pages_s`` (with ``file_pages_ahead``; ``file_pages_bytes`` how much
     was asked for), ``sources_s`` (page sums loaded, chunk lists), ``eager_s`` (the eager
-    pages read, checked and written); with ``zero_pages``, ``zero_pages_bytes``."""
+    pages read, checked and written; ``eager_loaded_bytes``, the checked segments or chunks
+    that took, a few MiB around each eager run); with ``zero_pages``, ``zero_pages_s`` (the
+    pagemaps CRIU reads written) and ``zero_pages_bytes``."""
     times = {} if times is None else times
     t = time.monotonic()
 
@@ -217,7 +219,10 @@ def stage(
             if is_pages_file(name):
                 sources[name] = image.source(name, pool)
         took("sources_s")
-        given = _with_zero_pages(dest, pagemaps, sources, times) if zero_pages else pagemaps
+        given = pagemaps
+        if zero_pages:
+            given = _with_zero_pages(dest, pagemaps, sources, times)
+            took("zero_pages_s")
         eager = eager_copies(given)
         for name, copies in eager.items():
             if name not in sources:
@@ -237,6 +242,7 @@ def stage(
             finally:
                 os.close(fd)
         took("eager_s")
+        times["eager_loaded_bytes"] = sum(s.loaded_bytes for s in sources.values())
     except SumsError as e:
         for s in sources.values():
             s.close()

@@ -44,12 +44,14 @@ class PageDamaged(ValueError):
 
 class _Segmented:
     """A file in checked segments: ``starts`` (offsets), ``size``, ``_load(i)``;
-    ``zero_bytes``, what was served without reading it."""
+    ``zero_bytes``, what was served without reading it; ``loaded_bytes``, the segments
+    loaded so far (read and checked, zero blocks included)."""
 
     name: str
     size: int
     starts: list[int]
     zero_bytes = 0  # bytes served as zeros without reading them (RawPages: their checksum says so)
+    loaded_bytes = 0
 
     def __init__(self, pool: Executor, keep: int):
         self.pool = pool
@@ -87,6 +89,7 @@ class _Segmented:
         with self._lock:  # cached before the waiters wake: none of them loads it again
             self._cache[i] = data
             self._cached += len(data)
+            self.loaded_bytes += len(data)
             while self._cached > self.keep and len(self._cache) > 1:
                 self._cached -= len(self._cache.popitem(last=False)[1])
             self._loading.pop(i).set()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import re
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
 #: not in CRIU's images: pages known to hold zeros, for CRIU patch 0015 (:func:`with_zero_pages`)
 PE_ZERO = 8
 _TASK = re.compile(r"pagemap-(\d+)\.img")
+_LEN = struct.Struct("<I")
 
 
 class PagemapError(ValueError):
@@ -68,6 +70,7 @@ class Pagemap:
     pages_id: int
     runs: list[Run] = field(default_factory=list)
     pid: int | None = None  # the process (as the image names it); None for shared memory
+    holes: int = 0  # entries that store no pages (not in ``runs``)
     _starts: list[int] = field(default_factory=list, repr=False)
 
     @property
@@ -101,24 +104,55 @@ def read_pagemap(path: Path | str) -> Pagemap:
     """Parse one ``pagemap*.img``."""
     path = Path(path)
     try:
-        records = [varints(rec) for rec in protobuf.records(path.read_bytes(), path.name)]
+        records = protobuf.records(path.read_bytes(), path.name)
+        head = varints(records[0]) if records else {}
     except protobuf.ProtobufError as e:
         raise PagemapError(f"{path.name}: {e}") from e
-    if not records or 1 not in records[0]:
+    if 1 not in head:
         raise PagemapError(f"{path.name}: no pagemap head")
     m = _TASK.fullmatch(path.name)
-    pm = Pagemap(path.name, records[0][1], pid=int(m[1]) if m else None)
+    pm = Pagemap(path.name, head[1], pid=int(m[1]) if m else None)
     offset = 0
     for rec in records[1:]:
-        vaddr = rec.get(1, 0)
-        nr = rec.get(5, rec.get(2, 0))
-        flags = rec.get(4, PE_PRESENT if not rec.get(3) else PE_PARENT)
+        try:
+            entry = _entry_fields(rec)
+        except protobuf.ProtobufError as e:
+            raise PagemapError(f"{path.name}: {e}") from e
+        nr = entry.get(5, entry.get(2, 0))
+        flags = entry.get(4, PE_PRESENT if not entry.get(3) else PE_PARENT)
         if flags & PE_PARENT:
             raise PagemapError(f"{path.name}: pages in a parent image are not supported")
         if flags & PE_PRESENT:
-            pm.runs.append(Run(vaddr, nr, offset, flags))
+            pm.runs.append(Run(entry.get(1, 0), nr, offset, flags))
             offset += nr * PAGE
+        else:
+            pm.holes += 1
     return pm
+
+
+def _entry_fields(rec: bytes) -> dict[int, int]:
+    """A ``pagemap_entry``'s fields (all varints; a GPU process's pagemap has tens of
+    thousands of entries, read before CRIU starts): :func:`.protobuf.varints` for one that
+    is written otherwise."""
+    out: dict[int, int] = {}
+    i, n = 0, len(rec)
+    while i < n:
+        tag = rec[i]
+        if tag & 0x87:  # not a one-byte tag of a varint field
+            return varints(rec)
+        i += 1
+        value = shift = 0
+        while True:
+            if i >= n:
+                raise protobuf.ProtobufError("truncated varint")
+            b = rec[i]
+            i += 1
+            value |= (b & 0x7F) << shift
+            if b < 0x80:
+                break
+            shift += 7
+        out[tag >> 3] = value
+    return out
 
 
 def read_pagemaps(folder: Path | str) -> list[Pagemap]:
@@ -177,7 +211,7 @@ def with_zero_pages(pm: Pagemap, zero: frozenset[int], block: int) -> tuple[Page
     if pm.pid is None or not zero or block % PAGE:
         return pm, 0
     marks = sorted(zero)
-    out = Pagemap(pm.name, pm.pages_id, pid=pm.pid)
+    out = Pagemap(pm.name, pm.pages_id, pid=pm.pid, holes=pm.holes)
     at = zeros = 0
 
     def add(run: Run, start: int, end: int, flags: int) -> None:  # [start, end) of the image's file
@@ -213,26 +247,38 @@ def with_zero_pages(pm: Pagemap, zero: frozenset[int], block: int) -> tuple[Page
 
 def pagemap_image(original: bytes, pm: Pagemap) -> bytes:
     """The bytes of a ``pagemap-*.img`` holding ``pm``, with ``original``'s (that of the
-    image ``pm`` was made from) magic numbers and head. PagemapError when ``original`` has
-    entries other than the pages it stores (those are not written again)."""
+    image ``pm`` was made from) magic numbers and head. PagemapError when that image has
+    entries other than the pages it stores (``pm.holes``: those are not written again)."""
+    if pm.holes:
+        raise PagemapError(f"{pm.name}: has entries without pages")
     try:
-        recs = protobuf.records(original, pm.name)
-    except protobuf.ProtobufError as e:
-        raise PagemapError(f"{pm.name}: {e}") from e
-    for rec in recs[1:]:
-        if not varints(rec).get(4, PE_PRESENT) & PE_PRESENT:
-            raise PagemapError(f"{pm.name}: has entries without pages")
+        (head,) = protobuf.records(original[: 12 + _LEN.unpack_from(original, 8)[0]], pm.name)
+    except (protobuf.ProtobufError, struct.error, ValueError) as e:
+        raise PagemapError(f"{pm.name}: no pagemap head ({e})") from e
     out = bytearray(original[:8])
-    for rec in [recs[0]] + [_entry(r) for r in pm.runs]:
+    out += len(head).to_bytes(4, "little") + head
+    for run in pm.runs:
+        rec = _entry(run)
         out += len(rec).to_bytes(4, "little") + rec
     return bytes(out)
 
 
 def _entry(run: Run) -> bytes:
-    """A ``pagemap_entry`` as CRIU writes it (the page count in ``nr_pages``, its old
-    32-bit field left 0)."""
-    fields = ((1, run.vaddr), (2, 0), (4, run.flags), (5, run.nr_pages))
-    return b"".join(protobuf.varint(n << 3) + protobuf.varint(v) for n, v in fields)
+    """A ``pagemap_entry`` as CRIU writes it (``vaddr``, its old 32-bit page count left 0,
+    ``flags``, the page count in ``nr_pages``)."""
+    return (
+        b"\x08" + _varint(run.vaddr) + b"\x10\x00\x20" + _varint(run.flags)
+        + b"\x28" + _varint(run.nr_pages)
+    )  # fmt: skip
+
+
+def _varint(n: int) -> bytes:
+    if n < 0x80:
+        return _SMALL[n]
+    return protobuf.varint(n)
+
+
+_SMALL = [bytes((i,)) for i in range(0x80)]
 
 
 def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
