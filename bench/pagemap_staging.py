@@ -13,12 +13,13 @@ pages after every 100th, ``--zero-mib`` of zero blocks of 64 KiB in 60 clusters,
 notebook's image has them) and times each step, the median of ``--repeat``:
 
 - ``read``: :func:`~.pagemap.read_pagemap`, and ``read, generic`` the same records through
-  :func:`~.protobuf.varints` into runs (how it was read before);
+  :func:`~.protobuf.fields` into runs (how it was read before :func:`~.protobuf.varints`
+  decoded messages of one-byte varint tags in one loop);
 - ``zero runs``: :func:`~.pagemap.with_zero_pages`;
 - ``write``: :func:`~.pagemap.pagemap_image`, and ``write, generic`` as it was written
   before: every record of the image parsed again (to refuse entries without pages, which
-  :attr:`~.pagemap.Pagemap.holes` now counts as it reads), then each entry through
-  :func:`~.protobuf.varint` per field.
+  :attr:`~.pagemap.Pagemap.holes` now counts as it reads), then each entry a varint per
+  field, each built byte by byte.
 
 Usage: ``python bench/pagemap_staging.py [--entries 27000] [--zero-mib 660] [--repeat 5]
 [--name NAME]`` → ``bench/results/pagemap_staging.json``.
@@ -76,11 +77,27 @@ def build(entries: int, zero_mib: int, seed: int = 1) -> tuple[bytes, frozenset[
     return image, frozenset(sorted(zero)[:want])
 
 
+def _generic_varints(rec: bytes) -> dict[int, int]:
+    """A message's varint fields through :func:`.protobuf.fields` (``varints`` before it
+    decoded messages of one-byte tags in one loop)."""
+    return {k: v for k, v in protobuf.fields(rec) if isinstance(v, int)}
+
+
+def _generic_varint(n: int) -> bytes:
+    """:func:`.protobuf.varint` without its table of one-byte values."""
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | 0x80 if n else b)
+        if not n:
+            return bytes(out)
+
+
 def generic_read(image: bytes) -> int:
-    """Read as before: every record through :func:`.protobuf.varints`, then a run of each."""
+    """Read as before: every record through :func:`.protobuf.fields`, then a run of each."""
     runs, offset = [], 0
     for rec in protobuf.records(image)[1:]:
-        f = protobuf.varints(rec)
+        f = _generic_varints(rec)
         nr, flags = f.get(5, f.get(2, 0)), f.get(4, PE_PRESENT)
         if flags & PE_PRESENT:
             runs.append(Run(f.get(1, 0), nr, offset, flags))
@@ -90,14 +107,14 @@ def generic_read(image: bytes) -> int:
 
 def generic_write(image: bytes, runs: list[Run]) -> int:
     """Written as before: every record of the image parsed again (entries without pages
-    refused), then each entry through :func:`.protobuf.varint` per field."""
+    refused), then each entry a varint per field, each built byte by byte."""
     for rec in protobuf.records(image)[1:]:
-        if not protobuf.varints(rec).get(4, PE_PRESENT) & PE_PRESENT:
+        if not _generic_varints(rec).get(4, PE_PRESENT) & PE_PRESENT:
             raise ValueError("entries without pages")
     n = 0
     for r in runs:
         fields = ((1, r.vaddr), (2, 0), (4, r.flags), (5, r.nr_pages))
-        n += len(b"".join(protobuf.varint(k << 3) + protobuf.varint(v) for k, v in fields))
+        n += len(b"".join(_generic_varint(k << 3) + _generic_varint(v) for k, v in fields))
     return n
 
 

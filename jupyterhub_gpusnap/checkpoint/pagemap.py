@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import bisect
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,7 +29,6 @@ PE_PARENT, PE_LAZY, PE_PRESENT = 1, 2, 4
 #: not in CRIU's images: pages known to hold zeros, for CRIU patch 0015 (:func:`with_zero_pages`)
 PE_ZERO = 8
 _TASK = re.compile(r"pagemap-(\d+)\.img")
-_LEN = struct.Struct("<I")
 
 
 class PagemapError(ValueError):
@@ -104,55 +102,26 @@ def read_pagemap(path: Path | str) -> Pagemap:
     """Parse one ``pagemap*.img``."""
     path = Path(path)
     try:
-        records = protobuf.records(path.read_bytes(), path.name)
-        head = varints(records[0]) if records else {}
+        records = [varints(rec) for rec in protobuf.records(path.read_bytes(), path.name)]
     except protobuf.ProtobufError as e:
         raise PagemapError(f"{path.name}: {e}") from e
-    if 1 not in head:
+    if not records or 1 not in records[0]:
         raise PagemapError(f"{path.name}: no pagemap head")
     m = _TASK.fullmatch(path.name)
-    pm = Pagemap(path.name, head[1], pid=int(m[1]) if m else None)
+    pm = Pagemap(path.name, records[0][1], pid=int(m[1]) if m else None)
     offset = 0
     for rec in records[1:]:
-        try:
-            entry = _entry_fields(rec)
-        except protobuf.ProtobufError as e:
-            raise PagemapError(f"{path.name}: {e}") from e
-        nr = entry.get(5, entry.get(2, 0))
-        flags = entry.get(4, PE_PRESENT if not entry.get(3) else PE_PARENT)
+        vaddr = rec.get(1, 0)
+        nr = rec.get(5, rec.get(2, 0))
+        flags = rec.get(4, PE_PRESENT if not rec.get(3) else PE_PARENT)
         if flags & PE_PARENT:
             raise PagemapError(f"{path.name}: pages in a parent image are not supported")
         if flags & PE_PRESENT:
-            pm.runs.append(Run(entry.get(1, 0), nr, offset, flags))
+            pm.runs.append(Run(vaddr, nr, offset, flags))
             offset += nr * PAGE
         else:
             pm.holes += 1
     return pm
-
-
-def _entry_fields(rec: bytes) -> dict[int, int]:
-    """A ``pagemap_entry``'s fields (all varints; a GPU process's pagemap has tens of
-    thousands of entries, read before CRIU starts): :func:`.protobuf.varints` for one that
-    is written otherwise."""
-    out: dict[int, int] = {}
-    i, n = 0, len(rec)
-    while i < n:
-        tag = rec[i]
-        if tag & 0x87:  # not a one-byte tag of a varint field
-            return varints(rec)
-        i += 1
-        value = shift = 0
-        while True:
-            if i >= n:
-                raise protobuf.ProtobufError("truncated varint")
-            b = rec[i]
-            i += 1
-            value |= (b & 0x7F) << shift
-            if b < 0x80:
-                break
-            shift += 7
-        out[tag >> 3] = value
-    return out
 
 
 def read_pagemaps(folder: Path | str) -> list[Pagemap]:
@@ -252,13 +221,11 @@ def pagemap_image(original: bytes, pm: Pagemap) -> bytes:
     if pm.holes:
         raise PagemapError(f"{pm.name}: has entries without pages")
     try:
-        (head,) = protobuf.records(original[: 12 + _LEN.unpack_from(original, 8)[0]], pm.name)
-    except (protobuf.ProtobufError, struct.error, ValueError) as e:
+        head = protobuf.records(original, pm.name)[0]
+    except (protobuf.ProtobufError, IndexError) as e:
         raise PagemapError(f"{pm.name}: no pagemap head ({e})") from e
     out = bytearray(original[:8])
-    out += len(head).to_bytes(4, "little") + head
-    for run in pm.runs:
-        rec = _entry(run)
+    for rec in [head, *map(_entry, pm.runs)]:
         out += len(rec).to_bytes(4, "little") + rec
     return bytes(out)
 
@@ -266,19 +233,15 @@ def pagemap_image(original: bytes, pm: Pagemap) -> bytes:
 def _entry(run: Run) -> bytes:
     """A ``pagemap_entry`` as CRIU writes it (``vaddr``, its old 32-bit page count left 0,
     ``flags``, the page count in ``nr_pages``)."""
+    varint = protobuf.varint
     return (
-        b"\x08" + _varint(run.vaddr) + b"\x10\x00\x20" + _varint(run.flags)
-        + b"\x28" + _varint(run.nr_pages)
-    )  # fmt: skip
-
-
-def _varint(n: int) -> bytes:
-    if n < 0x80:
-        return _SMALL[n]
-    return protobuf.varint(n)
-
-
-_SMALL = [bytes((i,)) for i in range(0x80)]
+        b"\x08"
+        + varint(run.vaddr)
+        + b"\x10\x00\x20"
+        + varint(run.flags)
+        + b"\x28"
+        + varint(run.nr_pages)
+    )
 
 
 def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

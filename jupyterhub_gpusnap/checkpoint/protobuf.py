@@ -34,6 +34,8 @@ def read_varint(buf: bytes, i: int) -> tuple[int, int]:
 
 def varint(n: int) -> bytes:
     """``n`` (not negative) as a varint."""
+    if n < 0x80:
+        return _ONE_BYTE[n]
     out = bytearray()
     while True:
         b = n & 0x7F
@@ -69,9 +71,34 @@ def fields(msg: bytes) -> list[tuple[int, int | bytes]]:
     return out
 
 
+_ONE_BYTE = [bytes((i,)) for i in range(0x80)]
+
+
 def varints(msg: bytes) -> dict[int, int]:
-    """The varint and fixed-size fields of a message, by number (the last of each)."""
-    return {n: v for n, v in fields(msg) if isinstance(v, int)}
+    """The varint and fixed-size fields of a message, by number (the last of each).
+
+    A message of varint fields numbered 1-15 only (a pagemap entry: a GPU notebook's
+    kernel has tens of thousands, read before a lazy restore starts CRIU) is decoded in
+    one loop; any other goes through :func:`fields`."""
+    out: dict[int, int] = {}
+    i, n = 0, len(msg)
+    while i < n:
+        tag = msg[i]
+        if tag & 0x87:  # not a one-byte tag of a varint field
+            return {k: v for k, v in fields(msg) if isinstance(v, int)}
+        i += 1
+        value = shift = 0
+        while True:
+            if i >= n:
+                raise ProtobufError("truncated varint")
+            b = msg[i]
+            i += 1
+            value |= (b & 0x7F) << shift
+            if b < 0x80:
+                break
+            shift += 7
+        out[tag >> 3] = value
+    return out
 
 
 def records(data: bytes, name: str = "image") -> list[bytes]:
