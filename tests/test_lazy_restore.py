@@ -691,8 +691,11 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
     assert 0 < timed <= phases["lazy_staged_s"] + 0.01, phases
     assert steps["file_pages_bytes"] > 0  # read ahead (file_pages_ahead)
     assert 0 < phases["lazy_eager_bytes"] < 16 << 20
-    # the eager pages' segments, read and checked whole
-    assert phases["lazy_eager_bytes"] <= steps["eager_loaded_bytes"] < 64 << 20
+    # the eager pages read and checked in the page sums' blocks around them, not whole
+    # 1 MiB segments (which took 105-114 MB for 47.5 MB on a GPU notebook)
+    assert (
+        phases["lazy_eager_bytes"] <= steps["eager_loaded_bytes"] < 2 * phases["lazy_eager_bytes"]
+    )
     assert (await ask(tree.port, "hash"))["now"] == before["digest"]
     task = lazyb.lazy_restores.get(info.id)
     if task is not None:
@@ -1174,6 +1177,55 @@ async def test_a_damaged_eager_page_stops_the_restore_before_criu_runs(
     assert not list(staging.glob("restore-*.log")), "CRIU ran on a damaged image"
     with pytest.raises(OSError):
         await ask(tree.port, "get", timeout=3)
+
+
+@pytest.mark.parametrize("storage", ["files", "chunks"])
+async def test_the_staging_writes_the_eager_pages_a_few_at_a_time_where_criu_reads_them(
+    tmp_path, process_tree, pool, storage, monkeypatch
+):
+    # The staging reads the eager pages in pieces, in the pool, and holds only so many bytes
+    # of them at once (shared memory is all eager, and may be large); each piece is written
+    # where CRIU reads it, in the sparse pages file.
+    backend, _, m, folder, _ = await suspended(tmp_path, process_tree, storage)
+    image = image_of(backend, m, folder, pool)
+    piece, in_flight = 3 * 4096, 8 * 4096
+    monkeypatch.setattr(lazy, "EAGER_PIECE", piece)
+    monkeypatch.setattr(lazy, "EAGER_IN_FLIGHT", in_flight)
+    reading, most, sizes = [0], [0], []
+    lock = __import__("threading").Lock()
+    cls = type(image.source(image.names()[0], pool)) if storage == "chunks" else lazy.RawPages
+    plain = cls.read_once
+
+    def counted(self, offset, length):
+        with lock:
+            reading[0] += length
+            most[0] = max(most[0], reading[0])
+            sizes.append(length)
+        try:
+            time.sleep(0.001)  # long enough for the pool's other threads to start theirs
+            return plain(self, offset, length)
+        finally:
+            with lock:
+                reading[0] -= length
+
+    monkeypatch.setattr(cls, "read_once", counted)
+    scratch = Path(tempfile.mkdtemp(prefix="gpusnap-pm-"))
+    try:
+        times: dict = {}
+        pms, sources = await asyncio.to_thread(lazy.stage, image, scratch, pool, times)
+        copies = eager_copies(pms)
+        total = sum(n for c in copies.values() for _, _, n in c)
+        assert total > 4 * in_flight and sum(sizes) == total
+        assert max(sizes) <= piece and in_flight - piece < most[0] <= in_flight, most
+        for name, runs in copies.items():
+            with open(scratch / name, "rb") as f:
+                for src, off, n in runs:
+                    f.seek(off)
+                    assert f.read(n) == b"".join(sources[name].read(src, n)), (name, src)
+        for source in sources.values():
+            source.close()
+    finally:
+        subprocess.run(["rm", "-rf", str(scratch)], check=False)
 
 
 async def test_missing_page_sums_refuse_a_lazy_restore_of_files(

@@ -34,6 +34,7 @@ the design and the figures.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import shutil
@@ -41,6 +42,7 @@ import signal
 import socket
 import subprocess
 import time
+from concurrent import futures
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +77,11 @@ PAGE_SERVER_LOG = "page-server.log"  # when each request came and its answer wen
 SOCKET_BYTES = 1 << 20
 # LazyRestore.seconds_left tells the transfer's rate once this much came
 RATE_AFTER = 64 << 20
+# The staging reads the eager pages in pieces of at most EAGER_PIECE bytes, in the pool,
+# holding at most EAGER_IN_FLIGHT bytes of them at once (a process's shared memory is all
+# eager, and may be large)
+EAGER_PIECE = 4 << 20
+EAGER_IN_FLIGHT = 64 << 20
 
 
 #: in the service's registry (/services/<name>/metrics): the service writes the sums
@@ -186,9 +193,9 @@ def stage(
     given) gets the seconds of each step: ``small_s`` (the small files, copied and checked),
     ``pagemaps_s``, ``file_pages_s`` (with ``file_pages_ahead``; ``file_pages_bytes`` how much
     was asked for), ``sources_s`` (page sums loaded, chunk lists), ``eager_s`` (the eager
-    pages read, checked and written; ``eager_loaded_bytes``, the checked segments or chunks
-    that took, a few MiB around each eager run); with ``zero_pages``, ``zero_pages_s`` (the
-    pagemaps CRIU reads written) and ``zero_pages_bytes``."""
+    pages read, checked and written; ``eager_loaded_bytes``, what that read and checked: the
+    page sums' blocks around each eager run, or whole chunks); with ``zero_pages``,
+    ``zero_pages_s`` (the pagemaps CRIU reads written) and ``zero_pages_bytes``."""
     times = {} if times is None else times
     t = time.monotonic()
 
@@ -224,23 +231,12 @@ def stage(
             given = _with_zero_pages(dest, pagemaps, sources, times)
             took("zero_pages_s")
         eager = eager_copies(given)
-        for name, copies in eager.items():
+        for name in eager:
             if name not in sources:
                 raise CheckpointError(
                     f"image is damaged: {name}, which a pagemap names, is missing"
                 )
-            for src, _, n in copies:  # read and check them in the pool, all at once
-                sources[name].ahead(src, n)
-        for name, copies in eager.items():
-            fd = os.open(dest / name, os.O_WRONLY)
-            try:
-                for src, off, n in copies:
-                    for view in sources[name].read(src, n):
-                        while view:
-                            done = os.pwrite(fd, view, off)
-                            view, off = view[done:], off + done
-            finally:
-                os.close(fd)
+        _write_eager(dest, eager, sources, pool)
         took("eager_s")
         times["eager_loaded_bytes"] = sum(s.loaded_bytes for s in sources.values())
     except SumsError as e:
@@ -256,6 +252,47 @@ def stage(
             s.close()
         raise
     return pagemaps, sources
+
+
+def _write_eager(dest: Path, eager: dict, sources: dict, pool: Executor) -> None:
+    """Read, check and write into ``dest``'s pages files the eager pages (``eager``:
+    :func:`.pagemap.eager_copies`): read in pieces of at most ``EAGER_PIECE`` bytes in the
+    pool, only the blocks that hold them (:meth:`.RawPages.read_once`), at most
+    ``EAGER_IN_FLIGHT`` bytes at once, each written as it comes, in order. Raises the first
+    piece's :class:`PageDamaged`, with nothing left reading."""
+    pieces = []
+    for name, copies in eager.items():
+        for src, off, n in copies:
+            while n:
+                step = min(n, EAGER_PIECE - src % EAGER_PIECE)
+                pieces.append((name, src, off, step))
+                src, off, n = src + step, off + step, n - step
+    pieces.reverse()  # taken from the end
+    pending: collections.deque = collections.deque()
+    fds: dict[str, int] = {}
+    try:
+        for name in eager:
+            fds[name] = os.open(dest / name, os.O_WRONLY)
+        flying = 0
+        while True:
+            while pieces and (not pending or flying + pieces[-1][3] <= EAGER_IN_FLIGHT):
+                name, src, _, n = piece = pieces.pop()
+                pending.append((piece, pool.submit(sources[name].read_once, src, n)))
+                flying += n
+            if not pending:
+                return
+            (name, _, off, n), got = pending.popleft()
+            view = memoryview(got.result())
+            flying -= n
+            while view:
+                done = os.pwrite(fds[name], view, off)
+                view, off = view[done:], off + done
+    finally:
+        for _, got in pending:  # a piece failed: the others stop before the files close
+            got.cancel()
+        futures.wait([got for _, got in pending])
+        for fd in fds.values():
+            os.close(fd)
 
 
 def _with_zero_pages(dest: Path, pagemaps, sources, times: dict) -> list:
