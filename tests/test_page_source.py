@@ -215,6 +215,31 @@ async def test_a_fault_is_answered_before_background_requests_asked_before_it(tm
     pool.shutdown()
 
 
+async def test_a_fault_reads_only_the_blocks_that_hold_its_pages(tmp_path):
+    # A fault's thread waits for its answer: read through whole 1 MiB segments, a GPU
+    # kernel's faults were answered after 3.1-3.6 ms at the median on the H100, 1.3-1.6 ms
+    # read in the page sums' 64 KiB blocks. The pages around it, and the background
+    # transfer, still read and keep whole segments.
+    pool = ThreadPoolExecutor(2)
+    source = _raw_image(tmp_path, 4, pool)
+    data = source.path.read_bytes()
+    async with _serving(source, [Run(0x10000000, 4 << 8, 0, 0)], pool) as (_, reader, writer):
+        asked = [  # (flags, first page, pages, bytes read after it)
+            (PS_GET_URGENT, 1 << 8, 16, BLOCK),  # 64 KiB from the start of segment 1
+            (PS_GET_URGENT, (2 << 8) + 8, 16, 3 * BLOCK),  # across a block boundary
+            (PS_GET_AROUND, 1 << 8, 32, 3 * BLOCK + (1 << 20)),  # segment 1, whole
+            (0, 3 << 8, 16, 3 * BLOCK + (2 << 20)),  # segment 3, whole
+        ]
+        for flags, page, nr, loaded in asked:
+            vaddr = 0x10000000 + page * PAGE
+            writer.write(IOV.pack(PS_IOV_GET | flags << PS_CMD_BITS, nr, vaddr, 7))
+            head = await asyncio.wait_for(reader.readexactly(IOV.size), 10)
+            assert IOV.unpack(head)[1:3] == (nr, vaddr)
+            assert await reader.readexactly(nr * PAGE) == data[page * PAGE :][: nr * PAGE]
+            assert source.loaded_bytes == loaded, (flags, page, source.loaded_bytes)
+    pool.shutdown()
+
+
 async def test_every_answer_is_the_whole_request(tmp_path):
     # CRIU takes fewer pages than it asked for and asks again for the rest later, but a
     # thread that faulted on a page of the request in flight is not woken by the later one:
