@@ -12,8 +12,8 @@
 # could ask for it again for ever) and follows memory it moves (upstream could leave it
 # zero-filled), copies again what a changing memory map refused instead of asking again,
 # and copies the background transfer into the processes on copier threads while it
-# receives the next pages, and maps pages known to hold zeros as zero pages instead of
-# asking for them; and `criu dump` no longer makes a whole process eager when a
+# receives the next pages, maps pages known to hold zeros as zero pages instead of
+# asking for them, and keeps 32 small background requests in flight; and `criu dump` no longer makes a whole process eager when a
 # thread's stack pointer is on a page boundary (docs/lazy-restore.md).
 # Debian bookworm's packaged criu (3.17) fails `criu check` on kernels >= 6.13 and
 # 4.1 cannot dump TCP sockets there; 4.2 works. Idempotent: does nothing when a
@@ -35,7 +35,8 @@ markers=('rlimit %d from /proc/%d/limits' '#PF at 0x%llx: asking for %llu bytes,
   'lazy-pages: answers in shared memory of %lu bytes'
   'lazy-pages: slept %lu times while nothing was to ask for'
   'lazy-pages: following a forked process'
-  'lazy-pages: %lu zero pages mapped, not asked for')
+  'lazy-pages: %lu zero pages mapped, not asked for'
+  'lazy-pages: up to %d background requests in flight')
 have=$(criu --version 2>/dev/null | awk '/^Version:/{print $2}' || true)
 patched() {
   local m

@@ -829,6 +829,12 @@ async def test_a_criu_whose_daemon_polls_is_named_at_the_start(tmp_path, caplog)
     await criu_without(tmp_path, caplog, criu.IDLE_PATCHES, "taking a core")
 
 
+async def test_a_criu_with_8_requests_in_flight_is_named_at_the_start(tmp_path, caplog):
+    """Patch 0016 (32 background requests in flight per process, not 8) is a speed-up: a CRIU
+    without it still restores lazily, and warm_up says what it costs and how to get it."""
+    await criu_without(tmp_path, caplog, criu.DEPTH_PATCHES, "take more round trips")
+
+
 async def test_a_criu_without_zero_pages_is_named_at_the_start_and_sends_them(
     tmp_path, process_tree, staging, pool, caplog
 ):
@@ -878,14 +884,14 @@ def test_the_lazy_patches_are_the_ones_install_criu_builds_and_checks():
     script = (ci / "install-criu.sh").read_text()
     names = {p.name.removesuffix(".patch") for p in (ci / "criu-patches").glob("*.patch")}
     known = {**criu.LAZY_PATCHES, **criu.COPIER_PATCHES, **criu.SHARED_PATCHES,
-             **criu.IDLE_PATCHES, **criu.ZERO_PATCHES}  # fmt: skip
+             **criu.IDLE_PATCHES, **criu.ZERO_PATCHES, **criu.DEPTH_PATCHES}  # fmt: skip
     for name, marker in known.items():
         assert name in names, f"{name}.patch is not in .ci/criu-patches"
         assert f"'{marker}'" in script, f"install-criu.sh does not check for {name}'s marker"
     lazy_names = {n for n in names if "lazy" in n}
     assert lazy_names == set(known), (
         "a lazy-pages patch is in none of LAZY_PATCHES, COPIER_PATCHES, SHARED_PATCHES, "
-        "IDLE_PATCHES and ZERO_PATCHES"
+        "IDLE_PATCHES, ZERO_PATCHES and DEPTH_PATCHES"
     )
 
 

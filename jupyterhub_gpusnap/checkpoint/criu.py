@@ -482,6 +482,9 @@ SHARED_PATCHES = {"0012-lazy-pages-shared-answers": "lazy-pages: answers in shar
 IDLE_PATCHES = {"0013-lazy-pages-idle-wait": "lazy-pages: slept %lu times while nothing was to ask for"}  # fmt: skip
 #: The daemon maps pages a pagemap flags PE_ZERO as zero pages (lazy.stage's zero_pages)
 ZERO_PATCHES = {"0015-lazy-pages-zero-pages": "lazy-pages: %lu zero pages mapped, not asked for"}  # fmt: skip
+#: 32 background requests in flight per process, not 8: the short runs of pages between holes
+#: (a Python heap's) come in fewer round trips
+DEPTH_PATCHES = {"0016-lazy-pages-more-requests-in-flight": "lazy-pages: up to %d background requests in flight"}  # fmt: skip
 
 _lazy_missing: dict[tuple, set[str]] = {}
 
@@ -490,7 +493,7 @@ def lazy_patches_missing(criu: str = "", patches: dict[str, str] | None = None) 
     """The patches of ``patches`` (default :data:`LAZY_PATCHES`) the criu binary lacks (all
     of them when it cannot be found or read). The binary is read once per path, size and
     change time, for every patch of LAZY_PATCHES, COPIER_PATCHES, SHARED_PATCHES,
-    IDLE_PATCHES and ZERO_PATCHES."""
+    IDLE_PATCHES, ZERO_PATCHES and DEPTH_PATCHES."""
     patches = LAZY_PATCHES if patches is None else patches
     binary = find_criu(criu)
     if not binary:
@@ -503,7 +506,7 @@ def lazy_patches_missing(criu: str = "", patches: dict[str, str] | None = None) 
             with open(real, "rb") as f:
                 data = f.read()
             known = {**LAZY_PATCHES, **COPIER_PATCHES, **SHARED_PATCHES, **IDLE_PATCHES,
-                     **ZERO_PATCHES}  # fmt: skip
+                     **ZERO_PATCHES, **DEPTH_PATCHES}  # fmt: skip
             _lazy_missing[key] = {n for n, m in known.items() if m.encode() not in data}
         return [n for n in patches if n in _lazy_missing[key]]
     except OSError:

@@ -734,6 +734,9 @@ class LocalBackend(
                 (None, criu.ZERO_PATCHES, "zero-filled memory mapped as zero pages",
                  "lazy restores from files ask for zero-filled memory too, and the page server "
                  "sends it"),
+                (None, criu.DEPTH_PATCHES, "32 background requests in flight per process",
+                 "its daemon keeps 8 in flight, and the short runs of pages between holes (a "
+                 "Python heap's) take more round trips"),
             ]  # fmt: skip
             for setting, patches, what, instead in optional:
                 if eager or lacking or (setting and not getattr(self, setting)):
