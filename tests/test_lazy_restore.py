@@ -726,6 +726,9 @@ async def test_local_backend_restores_lazily_once_page_sums_exist(tmp_path, proc
     # and the daemon slept while it had nothing to ask for, instead of polling (CRIU 0013)
     slept = re.search(r"lazy-pages: slept (\d+) times while nothing was to ask for", log)
     assert slept and int(slept.group(1)) > 0, log[-2000:]
+    # and kept up to 32 background requests in flight per process (CRIU 0016), not 8
+    assert "lazy-pages: up to 32 background requests in flight" in log
+    assert re.search(r"background: \d+ pages at 0x[0-9a-f]+, up to 32 requests in flight", log)
 
     # as a Hub that stopped mid-transfer leaves it: the guard killed the tree
     m.extra["lazy_pending"] = True
