@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -1201,8 +1202,8 @@ async def test_the_staging_writes_the_eager_pages_a_few_at_a_time_where_criu_rea
     monkeypatch.setattr(lazy, "EAGER_PIECE", piece)
     monkeypatch.setattr(lazy, "EAGER_IN_FLIGHT", in_flight)
     reading, most, sizes = [0], [0], []
-    lock = __import__("threading").Lock()
-    cls = type(image.source(image.names()[0], pool)) if storage == "chunks" else lazy.RawPages
+    lock = threading.Lock()
+    cls = lazy.ChunkPages if storage == "chunks" else lazy.RawPages
     plain = cls.read_once
 
     def counted(self, offset, length):

@@ -208,19 +208,23 @@ class RawPages(_Segmented):
 
     def _load(self, i: int) -> bytes | bytearray:
         start = self.starts[i]
-        n = min(self.segment, self.size - start)
-        runs = self._runs(i)
-        if runs == [(start, n)]:  # nothing known to be zero: one read
-            data = self._pread(start, n)
+        return self._blocks(start, min(start + self.segment, self.size))
+
+    def _blocks(self, start: int, end: int) -> bytes | bytearray:
+        """The checked bytes of ``[start, end)`` (block-aligned ``start``); the blocks known
+        to be zero are not read (counted in :attr:`zero_bytes`)."""
+        runs = self._runs_in(start, end)
+        if runs == [(start, end - start)]:  # nothing known to be zero: one read
+            data = self._pread(start, end - start)
             self._check(start, data)
             return data
-        data = bytearray(n)  # zero-filled: the blocks known to be zero stay so, unread
-        for off, length in runs:
-            piece = self._pread(off, length)
+        data = bytearray(end - start)  # zero-filled: the blocks known to be zero stay so
+        for off, n in runs:
+            piece = self._pread(off, n)
             self._check(off, piece)
-            data[off - start : off - start + length] = piece
+            data[off - start : off - start + n] = piece
         with self._lock:
-            self.zero_bytes += n - sum(length for _, length in runs)
+            self.zero_bytes += end - start - sum(n for _, n in runs)
         return data
 
     def read_once(self, offset: int, length: int) -> bytes | memoryview:
@@ -235,15 +239,9 @@ class RawPages(_Segmented):
         block = self.sums.block
         start = offset - offset % block
         end = min(-(-(offset + length) // block) * block, self.size)
-        runs = self._runs_in(start, end)
-        data = bytearray(end - start)  # zero-filled: blocks known to be zero stay so, unread
-        for off, n in runs:
-            piece = self._pread(off, n)
-            self._check(off, piece)
-            data[off - start : off - start + n] = piece
+        data = self._blocks(start, end)
         with self._lock:
             self.loaded_bytes += end - start
-            self.zero_bytes += end - start - sum(n for _, n in runs)
         return memoryview(data)[offset - start : offset - start + length]
 
     def _pread(self, offset: int, n: int) -> bytes:
