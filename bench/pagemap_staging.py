@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import print_table, write_json  # noqa: E402
 
 from jupyterhub_gpusnap.checkpoint import protobuf  # noqa: E402
+from jupyterhub_gpusnap.checkpoint.page_sums import block_ranges  # noqa: E402
 from jupyterhub_gpusnap.checkpoint.pagemap import (  # noqa: E402
     PAGE,
     PE_LAZY,
@@ -54,8 +55,9 @@ from jupyterhub_gpusnap.checkpoint.pagemap import (  # noqa: E402
 BLOCK = 64 << 10
 
 
-def build(entries: int, zero_mib: int, seed: int = 1) -> tuple[bytes, frozenset[int]]:
-    """A pagemap image like a GPU notebook kernel's, and the zero blocks of its pages file."""
+def build(entries: int, zero_mib: int, seed: int = 1) -> tuple[bytes, list[tuple[int, int]]]:
+    """A pagemap image like a GPU notebook kernel's, and the zero blocks of its pages file
+    (as byte ranges, :func:`~.page_sums.block_ranges`)."""
     rng = random.Random(seed)
     runs, off, va = [], 0, 0x7F0000000000
     for i in range(entries):
@@ -74,7 +76,7 @@ def build(entries: int, zero_mib: int, seed: int = 1) -> tuple[bytes, frozenset[
         zero.update(
             range(start, min(start + rng.randrange(want // 90 + 1, want // 30 + 2), blocks))
         )
-    return image, frozenset(sorted(zero)[:want])
+    return image, block_ranges(sorted(zero)[:want], BLOCK, off)
 
 
 def _generic_varints(rec: bytes) -> dict[int, int]:
@@ -139,11 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(d) / "pagemap-123.img"
         path.write_bytes(image)
         pm = read_pagemap(path)
-        given, zero_bytes = with_zero_pages(pm, zero, BLOCK)
+        given, zero_bytes = with_zero_pages(pm, zero)
         steps = [
             ("read", lambda: read_pagemap(path)),
             ("read, generic", lambda: generic_read(image)),
-            ("zero runs", lambda: with_zero_pages(pm, zero, BLOCK)),
+            ("zero runs", lambda: with_zero_pages(pm, zero)),
             ("write", lambda: pagemap_image(image, given)),
             ("write, generic", lambda: generic_write(image, given.runs)),
         ]

@@ -49,7 +49,7 @@ def test_the_fast_reader_and_writer_agree_with_protobufs_generic_ones(tmp_path):
     pm = read_pagemap(path)
     # read: the same runs as every record through protobuf.varints
     assert len(pm.runs) == pagemap_staging.generic_read(image) == 1010 and pm.holes == 0
-    given, zero_bytes = with_zero_pages(pm, zero, pagemap_staging.BLOCK)
+    given, zero_bytes = with_zero_pages(pm, zero)
     assert zero_bytes == 64 << 20
     # write: each entry the bytes protobuf.varint gives field by field, as CRIU writes it
     for run in given.runs:

@@ -162,6 +162,7 @@ class ChunkStore:
         self._writing: dict[tuple[str, str], threading.Event] = {}
         self._writing_lock = threading.Lock()
         self._new_dirs: set[Path] = set()  # folders that gained a chunk since sync_dirs()
+        self._zero_ids: dict[tuple[str, int], str] = {}
 
     # ------------------------------------------------------------ naming
     @property
@@ -204,6 +205,16 @@ class ChunkStore:
         h = hashlib.sha256(key.id_salt) if key else hashlib.sha256()
         h.update(data)
         return h.hexdigest()
+
+    def zero_id(self, space: str, length: int) -> str:
+        """The id a chunk of ``length`` zero bytes has in ``space``: a chunk with that id
+        holds zeros, known without reading it (ValueError when ``space``'s key is not at
+        hand, as for any of its chunks)."""
+        cid = self._zero_ids.get((space, length))
+        if cid is None:
+            key = None if space == PLAIN else self._key_for(space)
+            cid = self._zero_ids[(space, length)] = self._chunk_id(bytes(length), key)
+        return cid
 
     def _zc(self):
         import zstandard

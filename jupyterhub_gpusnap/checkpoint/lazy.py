@@ -15,7 +15,7 @@ image files (copied and checked against the manifest, or unpacked from their chu
 each pages file as a sparse file holding only the pages CRIU restores eagerly (stacks,
 private file mappings, shared memory: a few MiB), read through the same checked sources.
 With a CRIU that has patch 0015, the pagemaps there also mark the lazy pages whose page
-sums say they hold zeros: the daemon maps the zero page over them instead of asking for
+sums or chunk ids say they hold zeros: the daemon maps the zero page over them instead of asking for
 them (the eager pages then lie further up in the staged pages files: the pages CRIU reads
 are only those it is given as stored).
 
@@ -187,9 +187,9 @@ def stage(
     checked; return (the image's pagemaps, {pages file: source}). Raises CheckpointError
     naming what is damaged or missing. Blocking. ``file_pages_ahead``: also have the kernel
     read ahead the library pages CRIU will write into (:mod:`.file_pages`). ``zero_pages``
-    (a CRIU with patch 0015): the pagemaps CRIU reads mark the lazy pages whose page sums say
-    they hold zeros, which its daemon then maps as zero pages instead of asking for them
-    (:func:`.pagemap.with_zero_pages`; files only, chunks have no such sums). ``times`` (if
+    (a CRIU with patch 0015): the pagemaps CRIU reads mark the lazy pages whose page sums or
+    chunk ids say they hold zeros, which its daemon then maps as zero pages instead of asking
+    for them (:func:`.pagemap.with_zero_pages`). ``times`` (if
     given) gets the seconds of each step: ``small_s`` (the small files, copied and checked),
     ``pagemaps_s``, ``file_pages_s`` (with ``file_pages_ahead``; ``file_pages_bytes`` how much
     was asked for), ``sources_s`` (page sums loaded, chunk lists), ``eager_s`` (the eager
@@ -296,14 +296,15 @@ def _write_eager(dest: Path, eager: dict, sources: dict, pool: Executor) -> None
 
 
 def _with_zero_pages(dest: Path, pagemaps, sources, times: dict) -> list:
-    """The pagemaps CRIU is given, written into ``dest``, with the lazy pages whose page sums
-    say they hold zeros marked (:func:`.pagemap.with_zero_pages`).
-    ``times["zero_pages_bytes"]``: how many bytes that is."""
+    """The pagemaps CRIU is given, written into ``dest``, with the lazy pages known to hold
+    zeros marked (their page sums or chunk ids say so: :meth:`.RawPages.zero_ranges`,
+    :func:`.pagemap.with_zero_pages`). ``times["zero_pages_bytes"]``: how many bytes that is."""
     given, zeros = [], 0
+    ranges = {name: source.zero_ranges() for name, source in sources.items()}
     for pm in pagemaps:
-        source = sources.get(pm.pages_file)
-        if isinstance(source, RawPages):
-            out, n = with_zero_pages(pm, source.sums.zero, source.sums.block)
+        zero = ranges.get(pm.pages_file)
+        if zero:
+            out, n = with_zero_pages(pm, zero)
             if n:
                 path = dest / pm.name
                 try:

@@ -11,7 +11,11 @@ starts checking what comes next in the pool):
 :class:`ChunkPages`
     A pages file kept in the chunk store: each chunk is read, opened, decompressed and
     checked against its id (:meth:`.ChunkStore.get`, which also repairs it from a
-    replica) straight from the store, no unpacked copy.
+    replica) straight from the store, no unpacked copy. A chunk whose id is that of zero
+    bytes (:meth:`.ChunkStore.zero_id`) is not read either.
+
+Both say which bytes of the file they know to be zeros without reading them
+(:meth:`zero_ranges`): a lazy restore maps zero pages there instead of asking for them.
 
 Checked segments (or chunks) stay in memory, the last ``keep`` bytes of them: a fault and
 the background transfer that follows often land in the same one, and :meth:`ahead` fills
@@ -32,10 +36,11 @@ from concurrent.futures import Executor
 from pathlib import Path
 
 from .chunks import ChunkStore
-from .page_sums import PageSums
+from .page_sums import PageSums, block_ranges
 
 SEGMENT = 1 << 20
 KEEP = 128 << 20  # checked bytes kept per pages file: more than the page server reads ahead
+ZERO_CANDIDATES = 8  # the repeated chunks of a pages file, most bytes first, tried as zeros
 
 
 class PageDamaged(ValueError):
@@ -50,7 +55,7 @@ class _Segmented:
     name: str
     size: int
     starts: list[int]
-    zero_bytes = 0  # bytes served as zeros without reading them (RawPages: their checksum says so)
+    zero_bytes = 0  # bytes served as zeros without reading them (their checksum or id says so)
     loaded_bytes = 0
 
     def __init__(self, pool: Executor, keep: int):
@@ -66,6 +71,11 @@ class _Segmented:
 
     def _hint(self, i: int) -> None:
         """Start the disk read of segment ``i`` (it will be loaded soon)."""
+
+    def zero_ranges(self) -> list[tuple[int, int]]:
+        """The byte ranges ``[(start, end), …]`` (sorted) known to hold zeros without
+        reading them; none here."""
+        return []
 
     def _segment(self, i: int) -> bytes:
         """Segment ``i``'s checked bytes (checked once, kept among the last ``keep``)."""
@@ -182,6 +192,10 @@ class RawPages(_Segmented):
         self.size = size
         self.starts = list(range(0, size, self.segment)) or [0]
 
+    def zero_ranges(self) -> list[tuple[int, int]]:
+        """The blocks whose checksum is that of zero bytes (:attr:`.PageSums.zero`)."""
+        return block_ranges(self.sums.zero, self.sums.block, self.size)
+
     def _runs(self, i: int) -> list[tuple[int, int]]:
         """Segment ``i``'s blocks that must be read, as ``[(offset, length), …]`` runs:
         those whose checksum is not that of zero bytes (:attr:`.PageSums.zero`)."""
@@ -293,9 +307,42 @@ class ChunkPages(_Segmented):
         self.size = pos
         if not self.starts:
             self.starts = [0]
+        self.zero = self._zero_chunks()
+
+    def _zero_chunks(self) -> frozenset[int]:
+        """The indices of the chunks whose id is that of zero bytes of their length.
+
+        Zero-filled memory is cut into chunks of the smallest size (every page is a cut
+        point: :func:`.chunks.cut_points`), so its chunks repeat; only the lengths of the
+        chunks that repeat most (by bytes) are hashed as zeros, a few sha256 of at most a
+        chunk each, not one per chunk."""
+        count: dict[tuple[str, int], int] = {}
+        for ref in self.refs:
+            count[ref] = count.get(ref, 0) + 1
+        repeated = sorted((c * ref[1], ref) for ref, c in count.items() if c > 1)
+        zero = set()
+        for _, (cid, n) in repeated[-ZERO_CANDIDATES:]:
+            if cid == self.store.zero_id(self.space, n):
+                zero.add((cid, n))
+        return frozenset(i for i, ref in enumerate(self.refs) if ref in zero)
+
+    def zero_ranges(self) -> list[tuple[int, int]]:
+        """The chunks whose id is that of zero bytes, neighbours joined."""
+        out: list[tuple[int, int]] = []
+        for i in sorted(self.zero):
+            start, end = self.starts[i], self.starts[i] + self.refs[i][1]
+            if out and out[-1][1] == start:
+                out[-1] = (out[-1][0], end)
+            else:
+                out.append((start, end))
+        return out
 
     def _load(self, i: int) -> bytes:
         cid, n = self.refs[i]
+        if i in self.zero:  # its id says what it holds: not read
+            with self._lock:
+                self.zero_bytes += n
+            return bytes(n)
         try:
             return self.store.get(self.space, cid, n)
         except (OSError, ValueError) as e:
@@ -305,4 +352,5 @@ class ChunkPages(_Segmented):
             ) from e
 
     def _hint(self, i: int) -> None:
-        self.store.prefetch(self.space, self.refs[i][0])
+        if i not in self.zero:
+            self.store.prefetch(self.space, self.refs[i][0])

@@ -131,6 +131,19 @@ def _zero_blocks(digests: bytes, block: int, size: int) -> frozenset[int]:
     return frozenset(out)
 
 
+def block_ranges(blocks, block: int, size: int) -> list[tuple[int, int]]:
+    """``blocks`` (block numbers, ``block`` bytes each, of a file of ``size`` bytes) as
+    sorted byte ranges ``[(start, end), …]``, neighbouring blocks joined."""
+    out: list[tuple[int, int]] = []
+    for b in sorted(blocks):
+        start, end = b * block, min((b + 1) * block, size)
+        if out and out[-1][1] == start:
+            out[-1] = (out[-1][0], end)
+        elif start < end:
+            out.append((start, end))
+    return out
+
+
 class PageSums:
     """A loaded, self-checked checksum list of one pages file.
 

@@ -163,13 +163,14 @@ def eager_copies(pagemaps: list[Pagemap]) -> dict[str, list[tuple[int, int, int]
     return out
 
 
-def with_zero_pages(pm: Pagemap, zero: frozenset[int], block: int) -> tuple[Pagemap, int]:
+def with_zero_pages(pm: Pagemap, zero: list[tuple[int, int]]) -> tuple[Pagemap, int]:
     """``pm`` as a lazy restore gives it to CRIU: the pages of its lazy runs that lie in
-    ``zero`` blocks of its pages file (block numbers, ``block`` bytes each: their page sums
-    say they hold zero bytes) become runs flagged ``PE_ZERO``, not stored (each run's
-    ``offset`` is that in a pages file without them, its ``source`` that in the image's);
-    and how many bytes that is. ``pm`` itself when none are (a pagemap of shared memory,
-    always restored eagerly, included).
+    ``zero``, sorted byte ranges ``[(start, end), …]`` of its pages file known to hold zero
+    bytes (their page sums or chunk ids say so: :meth:`.page_source.RawPages.zero_ranges`),
+    become runs flagged ``PE_ZERO``, not stored (each run's ``offset`` is that in a pages
+    file without them, its ``source`` that in the image's); and how many bytes that is. Only
+    whole pages count. ``pm`` itself when none are (a pagemap of shared memory, always
+    restored eagerly, included).
 
     CRIU's daemon with patch 0015 maps the zero page over ``PE_ZERO`` runs when it takes
     the process over, and never asks for them: zero-filled memory is neither read, sent nor
@@ -177,9 +178,9 @@ def with_zero_pages(pm: Pagemap, zero: frozenset[int], block: int) -> tuple[Page
     the device memory, zero-filled parts included). Lazy memory is private anonymous
     memory only, where the zero page is what an untouched page reads anyway; a write
     copies it, as the kernel does for any such page."""
-    if pm.pid is None or not zero or block % PAGE:
+    if pm.pid is None or not zero:
         return pm, 0
-    marks = sorted(zero)
+    starts = [start for start, _ in zero]
     out = Pagemap(pm.name, pm.pages_id, pid=pm.pid, holes=pm.holes)
     at = zeros = 0
 
@@ -198,17 +199,16 @@ def with_zero_pages(pm: Pagemap, zero: frozenset[int], block: int) -> tuple[Page
 
     for run in pm.runs:
         start, end = run.offset, run.offset + run.nr_pages * PAGE
-        i = bisect.bisect_left(marks, start // block)
-        if not run.lazy or i == len(marks) or marks[i] * block >= end:
-            add(run, start, end, run.flags)
-            continue
+        i = max(bisect.bisect_right(starts, start) - 1, 0)  # the first range that may reach in
         pos = start
-        while i < len(marks) and marks[i] * block < end:
-            lo, hi = max(marks[i] * block, start), min((marks[i] + 1) * block, end)
-            add(run, pos, lo, run.flags)
-            add(run, lo, hi, PE_LAZY | PE_ZERO)
-            zeros += hi - lo
-            pos = hi
+        while run.lazy and i < len(zero) and zero[i][0] < end:
+            lo = max(-(-zero[i][0] // PAGE) * PAGE, pos)  # whole pages only
+            hi = min(zero[i][1] // PAGE * PAGE, end)
+            if lo < hi:
+                add(run, pos, lo, run.flags)
+                add(run, lo, hi, PE_LAZY | PE_ZERO)
+                zeros += hi - lo
+                pos = hi
             i += 1
         add(run, pos, end, run.flags)
     return (out, zeros) if zeros else (pm, 0)
