@@ -37,8 +37,9 @@ page server's beside it).
 ``--repeated F``: the last part F of the data is one byte over and over, like the zero-filled
 buffers of a GPU process; the chunk store cuts it into its smallest chunks. ``--zeros F``: the
 part F before it is zero bytes (written, so its pages are in the image), which a lazy restore
-from files maps as zero pages without asking for them with CRIU patch 0015 (``zero_pages_mib``)
-and otherwise serves without reading (``zero_mib``: how much of the segments read was zero).
+maps as zero pages without asking for them with CRIU patch 0015 (``zero_pages_mib``: from files
+the page sums' zero blocks, from chunks the chunks whose id is that of zero bytes) and otherwise
+serves without reading (``zero_mib``: how much of the segments or chunks read was zero).
 
 Usage: ``python bench/lazy_restore.py [--gib 0.2 1 2] [--restores N] [--warm] [--repeated F] [--zeros F]
 [--copiers N ...] [--shared MIB ...] [--logs DIR] [--name NAME]``
@@ -343,8 +344,8 @@ def main() -> None:
                     "memory (0: the socket; CRIU patch 0012)")  # fmt: skip
     ap.add_argument("--zeros", type=float, default=0.0,
                     help="the part of the data (0-1, before the --repeated part) that is zero "
-                    "bytes, like a GPU process's zero-filled buffers: a lazy restore from files "
-                    "maps it as zero pages (CRIU patch 0015) or serves it without reading it")  # fmt: skip
+                    "bytes, like a GPU process's zero-filled buffers: a lazy restore maps it as "
+                    "zero pages (CRIU patch 0015) or serves it without reading it")  # fmt: skip
     args = ap.parse_args()
     SHARED, ZEROS = args.shared, args.zeros
     WARM, REPEATED, COPIERS = args.warm, args.repeated, args.copiers

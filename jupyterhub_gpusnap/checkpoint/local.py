@@ -732,7 +732,7 @@ class LocalBackend(
                  "the lazy-pages daemon sleeps while it has nothing to ask for",
                  "its daemon polls instead, taking a core for each lazy restore's transfer"),
                 (None, criu.ZERO_PATCHES, "zero-filled memory mapped as zero pages",
-                 "lazy restores from files ask for zero-filled memory too, and the page server "
+                 "lazy restores ask for zero-filled memory too, and the page server "
                  "sends it"),
                 (None, criu.DEPTH_PATCHES, "32 background requests in flight per process",
                  "its daemon keeps 8 in flight, and the short runs of pages between holes (a "
