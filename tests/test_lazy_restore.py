@@ -517,8 +517,10 @@ async def test_zero_filled_chunks_are_mapped_as_zero_pages_unread(
     assert (await ask(tree.port, "zpoke"))["poked"], "a write into a zero page did not stay"
     stats = await asyncio.wait_for(lr.done, 120)
     assert lr.daemon.returncode == 0 and stats["served_bytes"] == lr.lazy_bytes
+    # every page of this mapping is a cut point, so it is cut into 512 KiB chunks: 7 of each
+    # 4 MiB are zeros, 6 where the 64 KiB of data straddle two chunks (72 of 96 MiB)
     zero = stats["zero_pages_bytes"]
-    assert zero >= 80 << 20, f"{zero >> 20} MiB of 94.5 mapped as zero pages"
+    assert zero >= 64 << 20, f"{zero >> 20} MiB of 94.5 mapped as zero pages"
     assert lr.lazy_bytes == lazy_bytes(list(lr.server.maps.values())) - zero
     log = (staging / lazy.LAZY_LOG).read_text()
     mapped = sum(int(n) for n in re.findall(r"lazy-pages: (\d+) zero pages mapped", log))
