@@ -31,7 +31,7 @@ from __future__ import annotations
 import bisect
 import os
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from concurrent.futures import Executor
 from pathlib import Path
 
@@ -316,10 +316,7 @@ class ChunkPages(_Segmented):
         point: :func:`.chunks.cut_points`), so its chunks repeat; only the lengths of the
         chunks that repeat most (by bytes) are hashed as zeros, a few sha256 of at most a
         chunk each, not one per chunk."""
-        count: dict[tuple[str, int], int] = {}
-        for ref in self.refs:
-            count[ref] = count.get(ref, 0) + 1
-        repeated = sorted((c * ref[1], ref) for ref, c in count.items() if c > 1)
+        repeated = sorted((c * ref[1], ref) for ref, c in Counter(self.refs).items() if c > 1)
         zero = set()
         for _, (cid, n) in repeated[-ZERO_CANDIDATES:]:
             if cid == self.store.zero_id(self.space, n):
@@ -327,15 +324,9 @@ class ChunkPages(_Segmented):
         return frozenset(i for i, ref in enumerate(self.refs) if ref in zero)
 
     def zero_ranges(self) -> list[tuple[int, int]]:
-        """The chunks whose id is that of zero bytes, neighbours joined."""
-        out: list[tuple[int, int]] = []
-        for i in sorted(self.zero):
-            start, end = self.starts[i], self.starts[i] + self.refs[i][1]
-            if out and out[-1][1] == start:
-                out[-1] = (out[-1][0], end)
-            else:
-                out.append((start, end))
-        return out
+        """The chunks whose id is that of zero bytes (neighbours not joined:
+        :func:`.pagemap.with_zero_pages` joins the zero runs they give)."""
+        return [(self.starts[i], self.starts[i] + self.refs[i][1]) for i in sorted(self.zero)]
 
     def _load(self, i: int) -> bytes:
         cid, n = self.refs[i]
